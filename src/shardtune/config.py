@@ -1,0 +1,235 @@
+"""Typed run config: one YAML file with sections, dotted command-line overrides, one-line errors.
+
+Each component gets its own section model (ModelConfig, DataConfig, ...) and receives only that
+section. Anything a user can get wrong raises ConfigError with a single line naming the key, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shardtune.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="Local Hugging Face model directory (config.json + safetensors).")
+    preset: str | None = Field(None, description="Built-in shape with random init, e.g. tiny-llama (no files).")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("set exactly one of model.path (a local HF directory) or model.preset (e.g. tiny-llama)")
+        if self.preset is not None:
+            from shardtune.models.presets import PRESETS
+
+            if self.preset not in PRESETS:
+                raise ValueError(f"model.preset: {self.preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
+        return self
+
+
+class DataConfig(_Section):
+    train_file: str = Field(..., description="JSONL file with `text`, or `prompt` + `completion` per line.")
+    eval_file: str | None = Field(None, description="Separate held-out JSONL; if unset, eval_fraction of train_file.")
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of train_file held out for eval.")
+    format: Literal["auto", "text", "prompt_completion"] = "auto"
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    add_eos: bool = Field(True, description="Append the tokenizer's EOS to each example.")
+
+
+class ParallelConfig(_Section):
+    strategy: Literal["ddp", "zero2", "zero3"] = "zero3"
+    backend: Literal["fsdp2"] = "fsdp2"
+    nproc: int | Literal["auto"] = Field("auto", description="Processes on this node; auto = all GPUs, or 1 on CPU.")
+    activation_checkpointing: Literal["none", "full"] = "none"
+    compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
+
+    @field_validator("nproc")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (takes precedence over warmup_ratio).")
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a fraction of train.lr.")
+    max_grad_norm: float = Field(1.0, ge=0.0, description="Clip the global grad norm; 0 disables clipping.")
+    fused: bool | Literal["auto"] = Field("auto", description="Fused AdamW kernel; auto = on GPU.")
+
+
+class TrainConfig(_Section):
+    lr: float = Field(2e-5, gt=0.0)
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
+    epochs: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per process per forward pass.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    seq_len: int = Field(2048, ge=8, description="Tokens per sequence (padded or truncated to this).")
+    seed: int = 42
+    output_dir: str = "runs/shardtune"
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only before and after training).")
+    eval_batches: int | None = Field(None, ge=1, description="Cap on eval micro-batches per process.")
+
+
+class CheckpointConfig(_Section):
+    save_final: bool = Field(True, description="Write OUTPUT_DIR/model as a Hugging Face directory at the end.")
+    save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = fp32 for fp32 runs, else bf16.")
+    max_shard_size: str = Field("5GB", description="Largest safetensors file of the final model.")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+
+class LogConfig(_Section):
+    every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    progress: bool = Field(True, description="Rich progress bar on rank 0.")
+    jsonl: bool = Field(True, description="Write OUTPUT_DIR/metrics.jsonl.")
+
+
+class Config(_Section):
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: field.annotation for name, field in Config.model_fields.items()  # type: ignore[misc]
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes (decimal units, as Hugging Face uses; KiB/MiB/GiB are binary)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size like 5GB or 500MB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """['train.lr=1e-4', 'parallel.strategy=zero2'] -> {'train': {'lr': 1e-4}, 'parallel': {...}}.
+
+    Values are parsed as YAML scalars/lists, so `true`, `3`, `[0.9, 0.95]` and `null` work.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=1e-4")
+        section, name = parts
+        if section not in SECTIONS:
+            raise ConfigError(f"override {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}; "
+                              f"sections are {', '.join(SECTIONS)}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def _suggest(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    if len(loc) >= 2 and loc[0] in SECTIONS:
+        return list(SECTIONS[loc[0]].model_fields)
+    return list(SECTIONS)
+
+
+def _one_line(err: ValidationError) -> str:
+    """The first error of a pydantic ValidationError as one actionable line."""
+    e = err.errors()[0]
+    loc = tuple(x for x in e["loc"] if not isinstance(x, int) or len(e["loc"]) == 1)
+    key = ".".join(str(x) for x in loc) or "config"
+    value = e.get("input")
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        allowed = _section_fields(loc)
+        return f"{key}: unknown key{_suggest(str(loc[-1]), allowed)}; allowed keys: {', '.join(allowed)}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    if kind == "literal_error":
+        expected = e.get("ctx", {}).get("expected", "")
+        return f"{key}: {value!r} is not allowed; choose one of {expected}"
+    if kind == "value_error":
+        return f"{key}: {e['msg'].removeprefix('Value error, ')}" if key != "config" and "." in key else \
+            e["msg"].removeprefix("Value error, ")
+    return f"{key}: {value!r} is not valid ({e['msg'].lower()})"
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _deep_merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Validate a raw mapping (plus dotted overrides) into a Config, or raise ConfigError."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config: the top level must be a mapping of sections (model, data, train, ...)")
+    merged = _deep_merge(raw, parse_overrides(overrides))
+    for section, body in merged.items():
+        if section in SECTIONS and body is not None and not isinstance(body, dict):
+            raise ConfigError(f"{section}: must be a mapping of keys, got {body!r}")
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config file and apply `section.key=value` overrides. Raises ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file such as examples/tiny.yaml")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    return config_from_dict(raw, overrides)
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML, every default written out."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,123 @@
+"""Weight sources and per-shard loading.
+
+A WeightSource hands out row ranges of named tensors. After a backend has sharded the meta model
+and `to_empty` has given every rank storage for its own shard, `load_weights` fills each local
+shard with just its rows, read straight from the safetensors files (or generated for a preset),
+so host memory holds one parameter slice at a time, never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from shardtune.errors import ShardtuneError
+from shardtune.models.build import assert_no_meta, restore_buffers
+
+
+class WeightSource(Protocol):
+    def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along dim 0 of tensor `name` of full shape `shape`."""
+        ...
+
+
+class SafetensorsSource:
+    """Reads slices from a Hugging Face directory: model.safetensors, or shards with an index."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(self.path / "model.safetensors", framework="pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - not a dict
+        else:
+            raise ShardtuneError(f"model.path: {str(self.path)!r} has no model.safetensors or "
+                                 "model.safetensors.index.json; shardtune loads safetensors weights only")
+        self._open: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise ShardtuneError(f"model.path: checkpoint {str(self.path)!r} has no tensor {name!r}; "
+                                 "it does not match the architecture in its config.json")
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = safe_open(self.path / file, framework="pt")
+        piece = self._open[file].get_slice(name)
+        if list(piece.get_shape()) != list(shape):
+            raise ShardtuneError(f"model.path: tensor {name!r} has shape {piece.get_shape()} in the checkpoint but "
+                                 f"{list(shape)} in the model built from config.json")
+        return piece[start:stop] if len(shape) else piece[:]
+
+
+class RandomInitSource:
+    """Seeded random init, independent of world size: each tensor is drawn whole from a generator
+    seeded by (seed, name), then sliced. Matches transformers' Llama init (normal(0, std),
+    norms to one, biases to zero)."""
+
+    def __init__(self, std: float, seed: int, device: torch.device | str = "cpu") -> None:
+        self.std, self.seed, self.device = std, seed, torch.device(device)
+
+    def full(self, name: str, shape: torch.Size) -> torch.Tensor:
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if len(shape) == 1:
+            return torch.ones(shape)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape, device=self.device).normal_(0.0, self.std, generator=gen)
+
+    def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
+        return self.full(name, shape)[start:stop]
+
+
+def make_source(mcfg: Any, hf_config: Any, seed: int, device: torch.device) -> WeightSource:
+    """The source a run's model config names: a local HF directory or a preset's random init."""
+    if mcfg.path is not None:
+        return SafetensorsSource(mcfg.path)
+    # Generate on the accelerator when there is one: drawing 8 B normals on a CPU takes minutes.
+    return RandomInitSource(getattr(hf_config, "initializer_range", 0.02), seed, device)
+
+
+def shard_rows(t: torch.Tensor) -> tuple[int, int]:
+    """Row range [start, stop) of the full tensor that this rank's local shard holds.
+
+    FSDP2 shards dim 0 like torch.chunk: every rank but the last holds ceil(n / world) rows.
+    """
+    if not isinstance(t, DTensor):
+        return 0, t.shape[0] if t.dim() else 0
+    placements = t.placements
+    assert len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0, placements
+    n, world = t.shape[0], t.device_mesh.size()
+    rank = t.device_mesh.get_local_rank()
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    return start, min(start + chunk, n)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, source: WeightSource, device: torch.device) -> None:
+    """Materialise a (possibly sharded) meta model on `device` and fill each rank's shard from `source`."""
+    model.to_empty(device=device)
+    restore_buffers(model, device)
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        start, stop = shard_rows(param)
+        if param.dim() and local.shape[0] != stop - start:
+            raise AssertionError(f"{name}: local shard has {local.shape[0]} rows, expected {stop - start}")
+        local.copy_(source.rows(name, param.shape, start, stop))
+    assert_no_meta(model)
+
