@@ -26,6 +26,7 @@ class ModelConfig(_Section):
     path: str | None = Field(None, description="Local Hugging Face model directory (config.json + safetensors).")
     preset: str | None = Field(None, description="Built-in shape with random init, e.g. tiny-llama (no files).")
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+    seed: int = Field(0, description="Seed of a preset's random init (same weights as `init-model --seed`).")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -94,7 +95,8 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     save_final: bool = Field(True, description="Write OUTPUT_DIR/model as a Hugging Face directory at the end.")
-    save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = fp32 for fp32 runs, else bf16.")
+    save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto = fp32 for fp32 runs, else bf16.")
     max_shard_size: str = Field("5GB", description="Largest safetensors file of the final model.")
 
     @field_validator("max_shard_size")
@@ -160,8 +162,22 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, A
     return out
 
 
+# Names users bring from HF TrainingArguments, DeepSpeed and accelerate configs.
+ALIASES = {
+    "learning_rate": "lr", "per_device_train_batch_size": "micro_batch_size", "batch_size": "micro_batch_size",
+    "train_micro_batch_size_per_gpu": "micro_batch_size", "gradient_accumulation_steps": "grad_accum",
+    "max_seq_length": "seq_len", "max_length": "seq_len", "num_train_epochs": "epochs", "bf16": "precision",
+    "fp16": "precision", "mixed_precision": "precision", "gradient_checkpointing": "activation_checkpointing",
+    "max_grad_norm": "max_grad_norm", "gradient_clipping": "max_grad_norm", "lr_scheduler_type": "schedule",
+    "model_name_or_path": "path", "num_processes": "nproc", "zero_stage": "strategy",
+}
+
+
 def _suggest(word: str, choices: Any) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    if ALIASES.get(word) in choices:
+        return f" (did you mean {ALIASES[word]!r}?)"
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -220,7 +236,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Load a YAML config file and apply `section.key=value` overrides. Raises ConfigError."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file such as examples/tiny.yaml")
+        raise ConfigError(f"config file {str(p)!r} does not exist; "
+                          "pass the path of a YAML file such as examples/tiny.yaml")
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as err:

@@ -72,7 +72,7 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
             continue
         try:
             fresh = type(module)(module.config)
-        except Exception as err:  # noqa: BLE001 - any constructor failure means we cannot rebuild it
+        except Exception as err:
             raise RuntimeError(f"cannot rebuild buffers of {name or 'model'} ({type(module).__name__}): {err}") from err
         for bname in own:
             setattr(module, bname, getattr(fresh, bname).to(device))

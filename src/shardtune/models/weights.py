@@ -84,12 +84,12 @@ class RandomInitSource:
         return self.full(name, shape)[start:stop]
 
 
-def make_source(mcfg: Any, hf_config: Any, seed: int, device: torch.device) -> WeightSource:
+def make_source(mcfg: Any, hf_config: Any, device: torch.device) -> WeightSource:
     """The source a run's model config names: a local HF directory or a preset's random init."""
     if mcfg.path is not None:
         return SafetensorsSource(mcfg.path)
     # Generate on the accelerator when there is one: drawing 8 B normals on a CPU takes minutes.
-    return RandomInitSource(getattr(hf_config, "initializer_range", 0.02), seed, device)
+    return RandomInitSource(getattr(hf_config, "initializer_range", 0.02), mcfg.seed, device)
 
 
 def shard_rows(t: torch.Tensor) -> tuple[int, int]:

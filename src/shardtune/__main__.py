@@ -1,0 +1,5 @@
+import sys
+
+from shardtune.cli import main
+
+sys.exit(main())

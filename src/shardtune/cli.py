@@ -1,0 +1,133 @@
+"""`shardtune` command line: train | validate | init-model.
+
+Bad input exits with code 2 and one line saying what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # shardtune never downloads at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from shardtune.errors import ShardtuneError
+
+
+def _nproc(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nproc {text!r}: expected a positive integer or 'auto'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--nproc {text!r}: expected a positive integer or 'auto'")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardtune", description="Sharded fine-tuning of Hugging Face causal LMs.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="fine-tune as a config says (re-executes under torchrun)")
+    t.add_argument("config", help="YAML config file")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-4")
+    t.add_argument("--nproc", type=_nproc, default=None, help="processes on this node (int or auto)")
+    t.add_argument("--output-dir", default=None, help="run directory (overrides train.output_dir)")
+    t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (torchrun rendezvous)")
+    t.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
+    t.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    t.set_defaults(func=cmd_train)
+
+    v = sub.add_parser("validate", help="check a config, its model and data without training")
+    v.add_argument("config")
+    v.add_argument("overrides", nargs="*")
+    v.add_argument("--nproc", type=_nproc, default=None)
+    v.set_defaults(func=cmd_validate)
+
+    m = sub.add_parser("init-model", help="write a random-init Hugging Face model directory for a preset")
+    m.add_argument("out_dir")
+    m.add_argument("--preset", required=True)
+    m.add_argument("--config-only", action="store_true", help="write config.json and tokenizer, no weights")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    m.set_defaults(func=cmd_init_model)
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = list(args.overrides)
+    if getattr(args, "output_dir", None):
+        extra.append(f"train.output_dir={args.output_dir}")
+    return extra
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from shardtune.launch import LaunchOptions, resolve_nproc, run_torchrun, torchrun_command, under_torchrun
+
+    if under_torchrun():
+        return _worker(args.config, _overrides(args))
+    from shardtune.validate import validate
+
+    cfg = validate(args.config, _overrides(args), quiet=True)
+    nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
+    worker_args = ["train", args.config, *_overrides(args)]
+    opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    return run_torchrun(torchrun_command(nproc, worker_args, opts))
+
+
+def _worker(config: str, overrides: list[str]) -> int:
+    """Body of each torchrun process; ends through clean_exit so gloo cannot abort a finished run."""
+    from shardtune.config import load_config
+    from shardtune.dist import clean_exit
+
+    code = 0
+    try:
+        from shardtune.train.loop import run_training
+
+        run_training(load_config(config, overrides))
+    except ShardtuneError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
+        code = 2
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    clean_exit(code)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from shardtune.validate import validate
+
+    validate(args.config, list(args.overrides), nproc_flag=args.nproc)
+    return 0
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from shardtune.models.init_model import init_model
+
+    path = init_model(Path(args.out_dir), args.preset, config_only=args.config_only, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ShardtuneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Fixed-shape batches: right padding to exactly seq_len, unshifted labels with -100 where there is no loss."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index, also what transformers uses
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One tokenized example: ``input_ids`` and same-length ``labels`` (unshifted, -100 = no loss)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Tokens that carry loss: position 0 is never a target because nothing precedes it."""
+        return sum(1 for x in self.labels[1:] if x != IGNORE_INDEX)
+
+
+@dataclass
+class Batch:
+    """A micro-batch of ``[B, S]`` ``torch.long`` tensors.
+
+    ``labels`` follow the Hugging Face convention: not shifted, the model's logits at position t are
+    scored against ``labels[:, t + 1]``; -100 marks prompt tokens and padding.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """A copy with every tensor on ``device``."""
+        return Batch(
+            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+            attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+        )
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Tokens that carry loss after the shift: ``(labels[:, 1:] != -100).sum()``."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """Non-padding tokens: ``attention_mask.sum()``."""
+        return int(self.attention_mask.sum())
+
+
+def collate(examples: Sequence[Example], seq_len: int, pad_id: int, batch_size: int | None = None) -> Batch:
+    """Stack examples into a Batch right-padded to exactly ``seq_len`` (fixed shapes avoid recompiles).
+
+    Padding has ``attention_mask`` 0, ``input_ids`` ``pad_id`` and labels -100. With ``batch_size`` the
+    batch is filled up to that many rows with all-padding rows (no tokens, no loss), so a rank that ran
+    out of eval examples can still join the same collective forward pass with the same shapes.
+    """
+    rows = len(examples) if batch_size is None else batch_size
+    if rows < len(examples):
+        raise ValueError(f"batch_size={batch_size} is smaller than the {len(examples)} examples given")
+    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, seq_len), dtype=torch.long)
+    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    for i, ex in enumerate(examples):
+        n = len(ex.input_ids)
+        if n > seq_len or len(ex.labels) != n:
+            raise ValueError(f"example {i}: {n} input ids and {len(ex.labels)} labels; need equal and <= {seq_len}")
+        input_ids[i, :n] = torch.tensor(ex.input_ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        labels[i, :n] = torch.tensor(ex.labels, dtype=torch.long)
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, labels=labels)

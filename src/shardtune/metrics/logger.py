@@ -1,0 +1,70 @@
+"""One metrics logger with a console (rich progress bar) and a JSONL file behind it; rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(stderr=True)
+
+
+def log_rank0(rank: int, message: str) -> None:
+    if rank == 0:
+        console.print(message, highlight=False)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class MetricsLogger:
+    """`log(record)` appends a JSON line and updates the progress bar. No-ops on ranks other than 0."""
+
+    def __init__(self, rank: int, output_dir: Path, total_steps: int, *, progress: bool, jsonl: bool) -> None:
+        self.active = rank == 0
+        self.file = None
+        self.progress: Progress | None = None
+        if not self.active:
+            return
+        if jsonl:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.file = (output_dir / "metrics.jsonl").open("w")
+        if progress:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console)
+            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        if self.file is not None:
+            self.file.write(json.dumps(clean) + "\n")
+            self.file.flush()
+        if self.progress is not None and "loss" in record:
+            info = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_sec']:,.0f} tok/s"
+            self.progress.update(self.task, completed=record["step"], info=info)
+
+    def print(self, message: str) -> None:
+        if self.active:
+            (self.progress.console if self.progress else console).print(message, highlight=False)
+
+    def eval_line(self, step: int, metrics: dict[str, Any]) -> None:
+        self.print(f"step {step}: " + "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if v is not None))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file is not None:
+            self.file.close()

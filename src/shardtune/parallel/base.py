@@ -1,0 +1,40 @@
+"""The backend seam: the training loop drives any backend through this interface alone."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from shardtune.config import OptimConfig
+    from shardtune.data import Batch
+    from shardtune.models.weights import WeightSource
+
+
+class Backend(Protocol):
+    """Takes a meta-device model and the optimizer settings; returns something the loop can drive.
+
+    setup:            apply activation checkpointing / compile, shard, load weights, build optimizer.
+    forward_backward: loss of one micro-batch divided by `normalizer` (target tokens of the whole
+                      step on all ranks), backpropagated; returns the detached loss contribution.
+    step:             clip, optimizer and scheduler step, zero grads; returns the global grad norm.
+    forward:          logits for evaluation (no grad).
+    module:           the unwrapped model (for export).
+    """
+
+    module: nn.Module
+
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource, optim: OptimConfig,
+              lr: float, total_steps: int) -> None: ...
+
+    def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
+        ...
+
+    def step(self) -> float: ...
+
+    def forward(self, batch: Batch) -> torch.Tensor: ...
+
+    @property
+    def lr(self) -> float: ...

@@ -1,0 +1,149 @@
+"""FSDP2 backend: ZeRO-3 / ZeRO-2 with `fully_shard`, and DDP as the unsharded case.
+
+Order (torchtitan's parallelize_llama): activation checkpointing -> compile each block ->
+fully_shard each decoder block -> fully_shard the root -> materialise and load each rank's shard.
+
+  zero3: parameters, gradients and optimizer states sharded; blocks reshard after forward.
+  zero2: the same, but blocks keep their gathered parameters from forward to backward
+         (no second all-gather; more memory), like ZeRO-2 / SHARD_GRAD_OP.
+  ddp:   full replicas with torch DDP (gradient all-reduce); autocast for mixed precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from shardtune.config import OptimConfig, ParallelConfig
+from shardtune.dist import DistContext
+from shardtune.models.weights import WeightSource, load_weights
+from shardtune.train.loss import token_loss_sum
+from shardtune.train.optim import build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from shardtune.data import Batch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class FSDP2Backend:
+    def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext) -> None:
+        self.parallel, self.precision, self.ctx = parallel, precision, ctx
+        self.compute_dtype = DTYPES[precision]
+        self.module: nn.Module = nn.Module()
+        self.model: nn.Module = self.module
+        self.scaler: torch.amp.GradScaler | None = None
+
+    # ---- set-up -------------------------------------------------------------------------
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource, optim: OptimConfig,
+              lr: float, total_steps: int) -> None:
+        if self.parallel.activation_checkpointing == "full":
+            # Non-reentrant checkpointing composes with FSDP2 and compile; it keeps parameter names.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.parallel.compile:
+            for block in blocks:
+                block.compile()
+        if self.parallel.strategy == "ddp":
+            self._setup_ddp(model, weights)
+        else:
+            self._setup_fsdp(model, blocks, weights)
+        self.optimizer = build_optimizer(self.module.named_parameters(), optim, lr, self.ctx.device)
+        self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
+        self.max_grad_norm = optim.max_grad_norm
+        if self.precision == "fp16":
+            self.scaler = self._grad_scaler()
+
+    def _setup_ddp(self, model: nn.Module, weights: WeightSource) -> None:
+        load_weights(model, weights, self.ctx.device)
+        self.module = model
+        ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=ids)
+
+    def _setup_fsdp(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource) -> None:
+        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world,), mesh_dim_names=("fsdp",))
+        # Parameters stay fp32 (the optimizer's master copy); compute in the low precision and
+        # reduce gradients in fp32 so the sum over ranks loses nothing.
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        reshard = self.parallel.strategy == "zero3"
+        for i, block in enumerate(blocks):
+            # The last block's parameters are needed again at once by backward: keep them gathered.
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if not_sharded:
+            raise RuntimeError(f"fully_shard left {len(not_sharded)} parameters unsharded, e.g. {not_sharded[:3]}")
+        load_weights(model, weights, self.ctx.device)
+        self.module = self.model = model
+
+    def _grad_scaler(self) -> torch.amp.GradScaler:
+        if self.parallel.strategy == "ddp":
+            return torch.amp.GradScaler(self.ctx.device.type)
+        # Each rank sees only its gradient shard: the sharded scaler agrees on inf/NaN across ranks.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.ctx.device.type)
+
+    # ---- the step -------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.parallel.strategy == "ddp" and self.precision != "fp32":
+            return torch.autocast(self.ctx.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()  # FSDP2 casts through its MixedPrecisionPolicy
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        # Rows are right-padded and padding carries no loss, so causal attention alone is exact for
+        # every loss-carrying position; leaving the mask out keeps SDPA on its fast causal kernel.
+        with self._autocast():
+            out = self.model(input_ids=batch.input_ids, use_cache=False)
+        return out.logits
+
+    def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
+        no_sync = self.parallel.strategy == "ddp" and not sync_grads
+        with self.model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
+            loss = token_loss_sum(self.forward(batch), batch.labels) / normalizer
+            # DDP and FSDP2 average gradients over ranks; the loss is already normalised by the
+            # step's global token count, so undo the average to get the gradient of that loss.
+            scaled = loss * self.ctx.world
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
+        return loss.detach()
+
+    def step(self) -> torch.Tensor:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = clip_grad_norm(list(self.module.parameters()), self.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 grad norm over all ranks (DTensor shards included); clips when max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # sum of squares over the shards of every rank
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -1,0 +1,225 @@
+"""The one training loop. Full fine-tuning under every strategy goes through here; the backend,
+model source and data are the pieces plugged in."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model
+from shardtune.config import Config, dump_config, parse_size
+from shardtune.data import Batch, StepSampler, build_datasets, collate, eval_batches, eval_num_batches
+from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
+from shardtune.errors import ShardtuneError
+from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
+from shardtune.metrics.logger import MetricsLogger
+from shardtune.models.build import build_on_meta, load_hf_config
+from shardtune.models.facts import decoder_blocks
+from shardtune.models.tokenizer import load_tokenizer
+from shardtune.models.weights import make_source
+from shardtune.parallel import make_backend
+from shardtune.parallel.base import Backend
+from shardtune.train.loss import exact_match, token_loss_sum
+
+
+@dataclass
+class RunState:
+    """What the loop carries between steps (the checkpoint issue will save and restore this)."""
+
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_training(cfg: Config, ctx: DistContext | None = None) -> dict[str, Any]:
+    """Train as `cfg` says on the current process group; returns the run summary (on every rank)."""
+    ctx = ctx or init_distributed()
+    torch.manual_seed(cfg.train.seed)
+    out = Path(cfg.train.output_dir)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_config(cfg))
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    hf_config = load_hf_config(cfg.model)
+    check_vocab(tokenizer, hf_config)
+    train_set, eval_set = build_datasets(cfg.data, tokenizer, cfg.train.seq_len, cfg.train.seed)
+    t = cfg.train
+    sampler = StepSampler(len(train_set), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
+    total_steps = t.max_steps or sampler.steps_per_epoch * t.epochs
+
+    model = build_on_meta(hf_config, cfg.model.attn_implementation)
+    n_params = sum(p.numel() for p in model.parameters())
+    blocks = decoder_blocks(model, hf_config.model_type)
+    backend = make_backend(cfg.parallel, t.precision, ctx)
+    backend.setup(model, blocks, make_source(cfg.model, hf_config, ctx.device), cfg.optim, t.lr, total_steps)
+
+    fpt = flops_per_token(matmul_params(n_params, hf_config), hf_config.num_hidden_layers,
+                          hf_config.hidden_size, t.seq_len)
+    peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
+    logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl)
+    logger.print(f"shardtune: {hf_config.model_type} {n_params / 1e6:,.1f}M params, {cfg.parallel.strategy} on "
+                 f"{ctx.world} x {ctx.device.type}, {total_steps} steps of {sampler.global_batch} sequences")
+    pad_id = tokenizer.pad_token_id
+    state = RunState()
+    run_eval = _evaluator(backend, eval_set, cfg, ctx, pad_id, logger, state)
+    start = time.perf_counter()
+    run_eval(0)
+
+    interval = _Interval(ctx.device)
+    for step in range(total_steps):
+        micro = [collate([train_set[i] for i in idx], t.seq_len, pad_id) for idx in sampler.micro_batches(step)]
+        normalizer = global_target_tokens(micro, ctx.device)
+        lr = backend.lr
+        step_loss = torch.zeros((), device=ctx.device)
+        for k, batch in enumerate(micro):
+            step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
+                                                  sync_grads=k == len(micro) - 1)
+        grad_norm = backend.step()
+        interval.add(step_loss, sum(b.num_tokens for b in micro))
+        state.step = step + 1
+        if state.step % cfg.log.every == 0 or state.step == total_steps:
+            record = interval.flush(state.step, lr, grad_norm, fpt, peak, ctx)
+            record["epoch"] = step // sampler.steps_per_epoch
+            state.history.append(record)
+            logger.log(record)
+        if t.eval_every and state.step % t.eval_every == 0 and state.step != total_steps:
+            run_eval(state.step)
+    run_eval(total_steps)
+    train_seconds = time.perf_counter() - start
+    logger.close()
+
+    if cfg.checkpoint.save_final:
+        dtype_name = cfg.checkpoint.save_dtype
+        if dtype_name == "auto":
+            dtype_name = "fp32" if t.precision == "fp32" else "bf16"
+        save_hf_model(backend.module, hf_config, tokenizer, out / "model", dtype=SAVE_DTYPES[dtype_name],
+                      max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank)
+    summary = _summary(cfg, ctx, state, total_steps, train_seconds, n_params, out)
+    if ctx.is_main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        logger.print(f"done: {total_steps} steps in {train_seconds:.1f}s; model in {out / 'model'}"
+                     if cfg.checkpoint.save_final else f"done: {total_steps} steps in {train_seconds:.1f}s")
+    summary["_backend"] = backend  # for in-process callers (tests); not serialised
+    return summary
+
+
+def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tensor:
+    """Loss-carrying tokens of this step over all micro-batches and ranks, kept on the device
+    (no host sync: the next step's kernels queue up behind the all-reduce)."""
+    count = torch.tensor(float(sum(b.num_target_tokens for b in micro)), device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(count)
+    return count
+
+
+def check_vocab(tokenizer: Any, hf_config: Any) -> None:
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ShardtuneError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                             f"{hf_config.vocab_size}; use the tokenizer that belongs to the model")
+
+
+class _Interval:
+    """Loss and token counts between two logged steps; one collective per log, not per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps = 0
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, step_loss: torch.Tensor, tokens: int) -> None:
+        self.loss_sum += step_loss
+        self.steps += 1
+        self.tokens += tokens
+
+    def flush(self, step: int, lr: float, grad_norm: torch.Tensor, fpt: float, peak: float | None,
+              ctx: DistContext) -> dict[str, Any]:
+        loss_sum, tokens = all_reduce_sum([float(self.loss_sum), float(self.tokens)], self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - self.t0
+        mem = all_reduce_max(_peak_memory_gib(self.device), self.device)
+        tps = tokens / seconds
+        record = {
+            "step": step, "loss": loss_sum / self.steps, "lr": lr, "grad_norm": float(grad_norm),
+            "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / ctx.world,
+            "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
+            "step_time_s": seconds / self.steps,
+        }
+        self.loss_sum.zero_()
+        self.steps, self.tokens, self.t0 = 0, 0, time.perf_counter()
+        return record
+
+
+def _peak_memory_gib(device: torch.device) -> list[float]:
+    """[allocated, reserved] peak on a GPU; on a CPU both are the process's peak resident set size."""
+    if device.type == "cuda":
+        return [torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return [rss, rss]
+
+
+def _evaluator(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistContext, pad_id: int,
+               logger: MetricsLogger, state: RunState):
+    def run(step: int) -> None:
+        if not eval_set:
+            return
+        metrics = evaluate(backend, eval_set, cfg, ctx, pad_id)
+        record = {"step": step, **metrics}
+        state.evals.append(record)
+        logger.log({"eval": True, **record})
+        logger.eval_line(step, metrics)
+
+    return run
+
+
+@torch.no_grad()
+def evaluate(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistContext, pad_id: int) -> dict[str, float]:
+    """Mean token loss and exact-match accuracy over the held-out set, summed over ranks."""
+    t = cfg.train
+    lists = eval_batches(len(eval_set), t.micro_batch_size, ctx.world, ctx.rank)
+    n = eval_num_batches(len(eval_set), t.micro_batch_size, ctx.world)
+    if t.eval_batches:
+        n = min(n, t.eval_batches)
+    backend.train(False)
+    loss_sum, tokens, right, rows = 0.0, 0, 0, 0
+    for i in range(n):
+        idx = lists[i] if i < len(lists) else []
+        batch = _eval_batch(eval_set, idx, t.seq_len, pad_id).to(ctx.device)
+        logits = backend.forward(batch)  # every rank runs the same number of forwards (FSDP collectives)
+        loss_sum += float(token_loss_sum(logits, batch.labels))
+        tokens += batch.num_target_tokens
+        r, k = exact_match(logits, batch.labels)
+        right, rows = right + r, rows + k
+    backend.train(True)
+    loss_sum, tokens, right, rows = all_reduce_sum([loss_sum, tokens, right, rows], ctx.device)
+    return {"eval_loss": loss_sum / max(tokens, 1), "eval_accuracy": right / max(rows, 1)}
+
+
+def _eval_batch(eval_set: list[Any], idx: list[int], seq_len: int, pad_id: int) -> Batch:
+    if idx:
+        return collate([eval_set[i] for i in idx], seq_len, pad_id)
+    # A rank with no examples left still joins the forward pass, with a batch that carries no loss.
+    dummy = collate([eval_set[0]], seq_len, pad_id)
+    dummy.labels.fill_(-100)
+    return dummy
+
+
+def _summary(cfg: Config, ctx: DistContext, state: RunState, total_steps: int, seconds: float, n_params: int,
+             out: Path) -> dict[str, Any]:
+    last = state.history[-1] if state.history else {}
+    return {
+        "steps": total_steps, "world_size": ctx.world, "strategy": cfg.parallel.strategy,
+        "precision": cfg.train.precision, "params": n_params, "train_seconds": seconds,
+        "final_loss": last.get("loss"), "losses": [r["loss"] for r in state.history],
+        "evals": state.evals, "output_dir": str(out),
+        "model_dir": str(out / "model") if cfg.checkpoint.save_final else None,
+    }

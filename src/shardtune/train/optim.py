@@ -1,0 +1,45 @@
+"""AdamW and the learning-rate schedule (linear warmup, then cosine / linear decay or constant)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from shardtune.config import OptimConfig
+
+
+def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], optim: OptimConfig, lr: float,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = device.type == "cuda" if optim.fused == "auto" else bool(optim.fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=optim.betas, eps=optim.eps, fused=fused)
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    return optim.warmup_steps or math.ceil(optim.warmup_ratio * total_steps)
+
+
+def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Multiplier on the peak LR for optimizer step `step` (0-based)."""
+    warm = warmup_steps(optim, total_steps)
+    if step < warm:
+        return (step + 1) / (warm + 1)
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * decay
+
+
+def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, optim, total_steps))

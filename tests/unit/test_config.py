@@ -1,0 +1,117 @@
+"""Config loading, validation errors and dotted overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune.config import ConfigError, config_from_dict, dump_config, load_config, parse_overrides, parse_size
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"model": {"preset": "tiny-llama"}, "data": {"train_file": "examples/data/tasks.jsonl"}}
+
+
+def test_examples_load():
+    for name in ("tiny.yaml", "llama-1b.yaml"):
+        cfg = load_config(ROOT / "examples" / name)
+        assert cfg.train.seq_len > 0
+
+
+def test_defaults_and_names_users_rely_on():
+    cfg = config_from_dict(BASE)
+    assert cfg.parallel.strategy == "zero3"
+    assert cfg.train.precision == "bf16"
+    assert cfg.model.path is None and cfg.model.preset == "tiny-llama"
+    for key in ("max_steps", "epochs", "micro_batch_size", "grad_accum", "seq_len", "lr", "precision"):
+        assert key in type(cfg.train).model_fields
+
+
+def test_overrides_apply_and_parse_types():
+    cfg = config_from_dict(BASE, ["train.lr=1e-4", "parallel.strategy=zero2", "train.max_steps=7",
+                                  "optim.betas=[0.9, 0.95]", "parallel.compile=true"])
+    assert cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.parallel.strategy == "zero2"
+    assert cfg.train.max_steps == 7
+    assert cfg.optim.betas == (0.9, 0.95)
+    assert cfg.parallel.compile is True
+
+
+def test_parse_overrides_shape():
+    assert parse_overrides(["train.seq_len=64", "model.path=/x"]) == {"train": {"seq_len": 64}, "model": {"path": "/x"}}
+
+
+@pytest.mark.parametrize("item, fragment", [
+    ("train.lr", "expected section.key=value"),
+    ("lr=1e-4", "expected section.key=value"),
+    ("trian.lr=1", "did you mean 'train'"),
+    ("train.a.b=1", "expected section.key=value"),
+])
+def test_bad_override_syntax(item, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        parse_overrides([item])
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("train.learning_rate=1", ["train.learning_rate", "unknown key", "did you mean 'lr'"]),
+    ("train.micro_batchsize=2", ["did you mean 'micro_batch_size'"]),
+    ("parallel.strategy=zero4", ["parallel.strategy", "'zero4'", "ddp", "zero3"]),
+    ("train.precision=fp8", ["train.precision", "bf16"]),
+    ("train.lr=abc", ["train.lr", "'abc'", "number"]),
+    ("train.lr=-1", ["train.lr", "greater than 0"]),
+    ("train.max_steps=0", ["train.max_steps", "greater than or equal to 1"]),
+    ("parallel.nproc=0", ["parallel.nproc", ">= 1 or 'auto'"]),
+    ("checkpoint.max_shard_size=lots", ["checkpoint.max_shard_size", "5GB"]),
+    ("model.preset=gpt-9", ["model.preset", "'gpt-9'", "tiny-llama"]),
+])
+def test_bad_values_name_key_value_and_allowed(override, fragments):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(BASE, [override])
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_unknown_section_and_missing_sections():
+    with pytest.raises(ConfigError, match=r"unknown key.*did you mean 'parallel'"):
+        config_from_dict({**BASE, "paralel": {"strategy": "ddp"}})
+    with pytest.raises(ConfigError, match="data: required key is missing"):
+        config_from_dict({"model": {"preset": "tiny-llama"}})
+
+
+def test_model_path_xor_preset():
+    with pytest.raises(ConfigError, match=r"exactly one of model\.path"):
+        config_from_dict({**BASE, "model": {"preset": "tiny-llama", "path": "/x"}})
+    with pytest.raises(ConfigError, match=r"exactly one of model\.path"):
+        config_from_dict({**BASE, "model": {}})
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("model: 3\ndata: {train_file: x}\n")
+    with pytest.raises(ConfigError, match="model: must be a mapping"):
+        load_config(scalar)
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = config_from_dict(BASE, ["train.lr=0.001", "optim.betas=[0.8, 0.9]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == 0.001
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("100") == 100
+    with pytest.raises(ValueError):
+        parse_size("five")

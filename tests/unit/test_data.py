@@ -1,0 +1,342 @@
+"""Data pipeline: tokenizer, masking, collate, JSONL errors, eval split, step sampler, shipped assets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.config import DataConfig
+from shardtune.data import (
+    IGNORE_INDEX,
+    Batch,
+    Example,
+    StepSampler,
+    build_datasets,
+    collate,
+    eval_batches,
+    eval_num_batches,
+    load_examples,
+    split_indices,
+    tokenize_example,
+)
+from shardtune.data.synthetic import DEFAULT_N, DEFAULT_SEED, generate
+from shardtune.errors import ShardtuneError
+from shardtune.models.tokenizer import bundled_tokenizer_dir, load_tokenizer, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = REPO / "examples" / "data" / "tasks.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+def _cfg(**kw) -> DataConfig:
+    return DataConfig(train_file=kw.pop("train_file", "unused.jsonl"), **kw)
+
+
+def _write(tmp_path: Path, lines: list[str], name: str = "d.jsonl") -> str:
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_bundled_tokenizer_special_ids_and_round_trip(tok):
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert len(tok) <= 512
+    for text in ["12+7=19", "rev abc=cba", "up xyz=XYZ", "héllo wörld\n\t{}", "ZZZ 0123456789"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.unk_token_id not in ids  # byte-level: everything encodes
+        assert tok.decode(ids) == text
+    # digits and operand letters are one token each; the task name is merged
+    assert tok.convert_ids_to_tokens(tok.encode("123+45=", add_special_tokens=False)) == list("123+45=")
+    assert tok.convert_ids_to_tokens(tok.encode("rev abc=", add_special_tokens=False)) == ["rev", "Ġ", "a", "b", "c",
+                                                                                          "="]
+    # Llama-style: bos only with add_special_tokens (the default), never eos
+    assert tok.encode("cp ab=")[0] == tok.bos_token_id
+    assert tok.eos_token_id not in tok.encode("cp ab=")
+
+
+def test_bundled_tokenizer_loads_with_auto_tokenizer():
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(bundled_tokenizer_dir(), local_files_only=True)
+    assert t.pad_token_id == 0 and t.bos_token_id == 1 and t.eos_token_id == 2
+    assert bundled_tokenizer_dir().name == "tiny-tokenizer"
+
+
+def test_load_tokenizer_refuses_model_dir_without_tokenizer(tmp_path):
+    # Falling back to the bundled tokenizer would silently train a real model on wrong ids.
+    with pytest.raises(ShardtuneError, match="has no tokenizer files"):
+        load_tokenizer(str(tmp_path))
+    assert len(load_tokenizer(None)) == 264
+
+
+def test_load_tokenizer_from_model_dir_sets_pad(tmp_path):
+    t = train_tokenizer(["hello world", "12+7=19"] * 10, vocab_size=300)
+    t.pad_token = None
+    t.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.pop("pad_token", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    loaded = load_tokenizer(str(tmp_path))
+    assert len(loaded) == len(t) and loaded.pad_token_id == loaded.eos_token_id == 2
+
+
+def test_train_tokenizer_fixed_special_ids_and_vocab_bound():
+    t = train_tokenizer([f"{i}+{i}={2 * i} the quick brown fox" for i in range(200)], vocab_size=300)
+    assert [t.convert_tokens_to_ids(s) for s in ("<pad>", "<s>", "</s>", "<unk>")] == [0, 1, 2, 3]
+    assert 260 < len(t) <= 300
+    assert t.convert_ids_to_tokens(t.encode("2024", add_special_tokens=False)) == ["2", "0", "2", "4"]
+
+
+# ---------------------------------------------------------------- tokenize_example
+
+
+def test_prompt_completion_masking_exact_positions(tok):
+    cfg = _cfg()
+    ids, labels = tokenize_example({"prompt": "12+7=", "completion": "19"}, tok, cfg, seq_len=64)
+    p = tok.encode("12+7=", add_special_tokens=False)
+    c = tok.encode("19", add_special_tokens=False)
+    assert ids == [1, *p, *c, 2]
+    assert len(p) == 5 and len(c) == 2
+    # bos + 5 prompt tokens masked; the 2 completion tokens and eos carry loss
+    assert labels == [IGNORE_INDEX] * 6 + [*c, 2]
+    ex = Example(ids, labels)
+    assert ex.num_target_tokens == 3
+    assert [i for i, x in enumerate(labels) if x != IGNORE_INDEX] == [6, 7, 8]
+
+
+def test_eos_optional(tok):
+    ids, labels = tokenize_example({"prompt": "cp ab=", "completion": "ab"}, tok, _cfg(add_eos=False), 64)
+    assert ids[-1] != tok.eos_token_id and labels[-2:] == ids[-2:]
+    assert sum(x != IGNORE_INDEX for x in labels) == 2
+
+
+def test_text_format_loss_on_all_tokens(tok):
+    ids, labels = tokenize_example({"text": "hello 42"}, tok, _cfg(format="text"), 64)
+    body = tok.encode("hello 42", add_special_tokens=False)
+    assert ids == [1, *body, 2]
+    assert labels[0] == IGNORE_INDEX and labels[1:] == ids[1:]  # position 0 is never a target anyway
+    assert Example(ids, labels).num_target_tokens == len(body) + 1
+
+
+def test_auto_format_picks_by_fields(tok):
+    cfg = _cfg()
+    a = tokenize_example({"prompt": "cp ab=", "completion": "ab"}, tok, cfg, 64)
+    b = tokenize_example({"text": "cp ab=ab"}, tok, cfg, 64)
+    assert a[0] == b[0]  # same tokens ...
+    assert a[1] != b[1]  # ... different masks
+
+
+def test_truncation_from_the_right(tok):
+    ids, labels = tokenize_example({"prompt": "rev abcdef=", "completion": "fedcba"}, tok, _cfg(), seq_len=8)
+    full_ids, full_labels = tokenize_example({"prompt": "rev abcdef=", "completion": "fedcba"}, tok, _cfg(), 64)
+    assert ids == full_ids[:8] and labels == full_labels[:8]
+    assert len(ids) == 8 and ids[0] == tok.bos_token_id
+
+
+def test_build_datasets_drops_examples_without_loss_tokens(tmp_path, tok):
+    path = _write(tmp_path, [json.dumps({"prompt": "rev abcdef=", "completion": "fedcba"}),
+                             json.dumps({"prompt": "cp a=", "completion": "a"})])
+    train, evals = build_datasets(_cfg(train_file=path, eval_fraction=0.0), tok, seq_len=8, seed=0)
+    # "<s> rev ␣ a b c d e f =" is 10 tokens > 8: no completion token survives, dropped
+    assert len(train) == 1 and evals == []
+    assert train[0].input_ids[-1] == tok.eos_token_id
+    with pytest.raises(ShardtuneError, match=r"seq_len=4"):
+        build_datasets(_cfg(train_file=path, eval_fraction=0.0), tok, seq_len=4, seed=0)
+
+
+# ---------------------------------------------------------------- collate / Batch
+
+
+def test_collate_shapes_padding_and_masks():
+    exs = [Example([1, 5, 6, 7, 2], [-100, -100, -100, 7, 2]), Example([1, 8, 2], [-100, 8, 2])]
+    b = collate(exs, seq_len=8, pad_id=0)
+    assert isinstance(b, Batch)
+    for t in (b.input_ids, b.attention_mask, b.labels):
+        assert t.shape == (2, 8) and t.dtype == torch.long
+    assert b.input_ids.tolist() == [[1, 5, 6, 7, 2, 0, 0, 0], [1, 8, 2, 0, 0, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
+    assert b.labels.tolist() == [[-100, -100, -100, 7, 2, -100, -100, -100], [-100, 8, 2] + [-100] * 5]
+    assert b.num_tokens == 8
+    assert b.num_target_tokens == 4
+    assert b.to("cpu").input_ids.equal(b.input_ids)
+
+
+def test_num_target_tokens_ignores_position_zero():
+    b = collate([Example([5, 6, 7], [5, 6, 7])], seq_len=4, pad_id=0)
+    assert b.num_target_tokens == 2 and b.num_tokens == 3
+
+
+def test_collate_fills_to_batch_size_and_rejects_overlong():
+    b = collate([Example([1, 2], [-100, 2])], seq_len=4, pad_id=9, batch_size=3)
+    assert b.input_ids.shape == (3, 4)
+    assert b.input_ids[1:].eq(9).all() and b.attention_mask[1:].eq(0).all() and b.labels[1:].eq(-100).all()
+    assert b.num_target_tokens == 1 and b.num_tokens == 2
+    assert collate([], seq_len=4, pad_id=0, batch_size=2).num_target_tokens == 0
+    with pytest.raises(ValueError):
+        collate([Example([1] * 5, [1] * 5)], seq_len=4, pad_id=0)
+
+
+# ---------------------------------------------------------------- load_examples
+
+
+def test_load_examples_auto_and_text(tmp_path):
+    pc = _write(tmp_path, ['{"prompt": "a", "completion": "b", "extra": 1}', "", '{"prompt": "c", "completion": "d"}'])
+    assert load_examples(pc, _cfg()) == [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}]
+    tx = _write(tmp_path, ['{"text": "x", "prompt": "p"}'], "t.jsonl")
+    assert load_examples(tx, _cfg()) == [{"text": "x"}]
+    custom = _write(tmp_path, ['{"q": "x", "a": "y"}'], "c.jsonl")
+    assert load_examples(custom, _cfg(prompt_field="q", completion_field="a")) == [{"q": "x", "a": "y"}]
+
+
+@pytest.mark.parametrize(("lines", "cfg_kw", "pattern"), [
+    (['{"prompt": "a", "completion": "b"}', '{"prompt": "a", "completion": "b"', ""], {}, r"d\.jsonl:2: invalid JSON"),
+    (['{"prompt": "a", "completion": "b"}', "", '{"prompt": "a"}'], {}, r"d\.jsonl:3: missing field 'completion'"),
+    (['{"prompt": "a", "completion": 3}'], {}, r"d\.jsonl:1: field 'completion' must be a string, got int"),
+    (['{"text": "a"}', '{"txt": "a"}'], {}, r"d\.jsonl:2: missing field 'text'"),
+    (['{"prompt": "a", "completion": "b"}'], {"format": "text"}, r"d\.jsonl:1: missing field 'text'"),
+    (['["a", "b"]'], {}, r"d\.jsonl:1: expected a JSON object"),
+])
+def test_load_examples_errors_name_file_and_line(tmp_path, lines, cfg_kw, pattern):
+    path = _write(tmp_path, lines)
+    with pytest.raises(ShardtuneError, match=pattern) as info:
+        load_examples(path, _cfg(**cfg_kw))
+    assert "\n" not in str(info.value)
+
+
+def test_load_examples_missing_or_empty_file(tmp_path):
+    with pytest.raises(ShardtuneError, match="does not exist"):
+        load_examples(str(tmp_path / "nope.jsonl"), _cfg())
+    with pytest.raises(ShardtuneError, match="no examples"):
+        load_examples(_write(tmp_path, [""]), _cfg())
+
+
+# ---------------------------------------------------------------- eval split
+
+
+def test_eval_split_deterministic_disjoint_complete():
+    a = split_indices(1000, 0.05, seed=3)
+    assert a == split_indices(1000, 0.05, seed=3)
+    assert a != split_indices(1000, 0.05, seed=4)
+    train, evals = a
+    assert len(evals) == 50 and not set(train) & set(evals) and sorted(train + evals) == list(range(1000))
+    assert len(split_indices(10, 0.01, 0)[1]) == 1  # at least one when fraction > 0
+    assert split_indices(10, 0.0, 0) == (list(range(10)), [])
+
+
+def test_build_datasets_split_and_eval_file(tmp_path, tok):
+    rows = [json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) for i in range(40)]
+    path = _write(tmp_path, rows)
+    cfg = _cfg(train_file=path, eval_fraction=0.25)
+    train, evals = build_datasets(cfg, tok, seq_len=16, seed=7)
+    train2, evals2 = build_datasets(cfg, tok, seq_len=16, seed=7)
+    assert (train, evals) == (train2, evals2) and len(train) == 30 and len(evals) == 10
+    assert not {tuple(e.input_ids) for e in train} & {tuple(e.input_ids) for e in evals}
+    ev = _write(tmp_path, rows[:3], "ev.jsonl")
+    train3, evals3 = build_datasets(_cfg(train_file=path, eval_file=ev), tok, seq_len=16, seed=7)
+    assert len(train3) == 40 and len(evals3) == 3
+
+
+# ---------------------------------------------------------------- StepSampler
+
+
+def test_sampler_deterministic_and_epoch_change():
+    a = StepSampler(100, 4, 2, 1, 0, seed=1)
+    b = StepSampler(100, 4, 2, 1, 0, seed=1)
+    assert a.global_batch_size == a.global_batch == 8 and a.steps_per_epoch == 12
+    assert [a.micro_batches(s) for s in range(30)] == [b.micro_batches(s) for s in range(30)]
+    assert a.micro_batches(5) == StepSampler(100, 4, 2, 1, 0, seed=1).micro_batches(5)  # no hidden state
+    assert a.step_indices(0) != a.step_indices(12)  # epoch 1 reshuffles
+    assert a.epoch_of(11) == 0 and a.epoch_of(12) == 1
+    assert a.step_indices(0) != StepSampler(100, 4, 2, 1, 0, seed=2).step_indices(0)
+
+
+@pytest.mark.parametrize(("mbs", "accum", "world"), [(2, 3, 2), (1, 1, 4), (3, 2, 1)])
+def test_sampler_epoch_covered_disjointly_across_ranks(mbs, accum, world):
+    n = 50
+    samplers = [StepSampler(n, mbs, accum, world, r, seed=0) for r in range(world)]
+    seen: list[int] = []
+    for step in range(samplers[0].steps_per_epoch):
+        for s in samplers:
+            mb = s.micro_batches(step)
+            assert len(mb) == accum and all(len(x) == mbs for x in mb)
+            seen += [i for x in mb for i in x]
+    g = mbs * accum * world
+    assert len(seen) == len(set(seen)) == (n // g) * g  # disjoint; only the remainder is dropped
+
+
+def test_sampler_same_examples_per_step_for_any_split():
+    def step_set(accum: int, world: int, step: int) -> list[int]:
+        return sorted(i for r in range(world) for mb in StepSampler(96, 4, accum, world, r, 5).micro_batches(step)
+                      for i in mb)
+
+    for step in (0, 3, 5, 6, 11):  # 6 steps per epoch: covers a second epoch too
+        ref = step_set(4, 1, step)
+        assert len(ref) == 16
+        for accum, world in [(2, 2), (1, 4)]:
+            assert step_set(accum, world, step) == ref
+    # even the micro-batches themselves are the same chunks, just assigned to other ranks
+    one = StepSampler(96, 4, 4, 1, 0, 5).micro_batches(2)
+    two = [StepSampler(96, 4, 2, 2, r, 5).micro_batches(2) for r in range(2)]
+    assert one == [two[0][0], two[1][0], two[0][1], two[1][1]]
+
+
+def test_sampler_too_small_dataset():
+    with pytest.raises(ShardtuneError, match=r"smaller than one global batch of 16.*micro_batch_size"):
+        StepSampler(15, 2, 4, 2, 0, 0)
+
+
+# ---------------------------------------------------------------- eval batches
+
+
+@pytest.mark.parametrize(("n", "mbs", "world"), [(10, 3, 1), (10, 3, 4), (7, 2, 3), (2, 4, 4), (0, 2, 2), (16, 4, 2)])
+def test_eval_batches_exactly_once_same_count(n, mbs, world):
+    want = eval_num_batches(n, mbs, world)
+    seen = []
+    for r in range(world):
+        lists = eval_batches(n, mbs, world, r)
+        assert len(lists) == want and all(len(x) <= mbs for x in lists)
+        assert all(i % world == r for x in lists for i in x)
+        seen += [i for x in lists for i in x]
+    assert sorted(seen) == list(range(n))
+    assert want == max(-(-len(range(r, n, world)) // mbs) for r in range(world))
+
+
+def test_eval_batches_short_rank_gets_empty_lists():
+    assert eval_batches(5, 2, 4, 0) == [[0, 4]]
+    assert eval_batches(5, 2, 4, 3) == [[3]]
+    assert eval_batches(9, 2, 4, 3) == [[3, 7], []]
+
+
+# ---------------------------------------------------------------- shipped data
+
+
+def test_shipped_tasks_are_reproducible():
+    rows = [json.loads(line) for line in TASKS.read_text().splitlines()]
+    assert len(rows) == DEFAULT_N and rows == generate(DEFAULT_N, DEFAULT_SEED)
+    assert TASKS.stat().st_size < 1_000_000
+
+
+def test_generate_tasks(tok):
+    rows = generate(400, 1)
+    assert rows == generate(400, 1) and rows != generate(400, 2)
+    assert len({r["prompt"] for r in rows}) == 400
+    for r in rows:
+        p, c = r["prompt"], r["completion"]
+        if "+" in p:
+            a, b = p[:-1].split("+")
+            assert c == str(int(a) + int(b))
+        else:
+            op, w = p[:-1].split(" ")
+            assert c == {"rev": w[::-1], "up": w.upper(), "cp": w}[op]
+        ids, _ = tokenize_example(r, tok, _cfg(), 512)
+        assert len(ids) <= 24
