@@ -78,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
     worker_args = ["train", args.config, *_overrides(args)]
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
-    return run_torchrun(torchrun_command(nproc, worker_args, opts))
+    return run_torchrun(torchrun_command(nproc, worker_args, opts), nproc)
 
 
 def _worker(config: str, overrides: list[str]) -> int:
@@ -118,7 +118,13 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_intermixed_args(argv)
+    # Overrides may come before or after flags: `train cfg.yaml --nproc 2 train.lr=1e-4`.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -50,8 +50,10 @@ def torchrun_command(nproc: int, worker_args: list[str], opts: LaunchOptions) ->
     return [*cmd, "-m", "shardtune", *worker_args]
 
 
-def run_torchrun(cmd: list[str]) -> int:
+def run_torchrun(cmd: list[str], nproc: int) -> int:
     env = dict(os.environ)
+    # torchrun would set 1 thread per process (and print a banner about it); share the cores instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time, ever
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -111,7 +111,9 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
 @torch.no_grad()
 def load_weights(model: nn.Module, source: WeightSource, device: torch.device) -> None:
     """Materialise a (possibly sharded) meta model on `device` and fill each rank's shard from `source`."""
+    shared = shared_parameters(model)
     model.to_empty(device=device)
+    retie(model, shared)
     restore_buffers(model, device)
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -121,3 +123,22 @@ def load_weights(model: nn.Module, source: WeightSource, device: torch.device) -
         local.copy_(source.rows(name, param.shape, start, stop))
     assert_no_meta(model)
 
+
+
+def shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that hold one shared parameter (tied embeddings)."""
+    groups: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                groups.setdefault(id(param), []).append((module, attr))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def retie(model: nn.Module, shared: list[list[tuple[nn.Module, str]]]) -> None:
+    """`to_empty` gives every module its own new tensor, which unties tied weights: tie them again."""
+    for (first, first_attr), *rest in shared:
+        param = first._parameters[first_attr]
+        for module, attr in rest:
+            if module._parameters[attr] is not param:
+                module._parameters[attr] = param

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,7 +46,10 @@ class FSDP2Backend:
               lr: float, total_steps: int) -> None:
         if self.parallel.activation_checkpointing == "full":
             # Non-reentrant checkpointing composes with FSDP2 and compile; it keeps parameter names.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.parallel.compile:
             for block in blocks:
                 block.compile()
@@ -133,7 +136,13 @@ class FSDP2Backend:
         return self.optimizer.param_groups[0]["lr"]
 
     def train(self, mode: bool = True) -> None:
+        """Switch train/eval mode. Back in training, reshard what an eval forward left gathered
+        (zero2 blocks and the root keep their parameters after a forward that has no backward)."""
         self.model.train(mode)
+        if mode:
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
