@@ -174,11 +174,10 @@ ALIASES = {
 
 
 def _suggest(word: str, choices: Any) -> str:
-    choices = list(choices)
-    if ALIASES.get(word) in choices:
-        return f" (did you mean {ALIASES[word]!r}?)"
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    # Match against the keys and the names other tools use for them (a typo of `learning_rate` -> lr).
+    names = {c: c for c in choices} | {a: k for a, k in ALIASES.items() if k in choices}
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""
 
 
 def _section_fields(loc: tuple[Any, ...]) -> list[str]:
