@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +69,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardtune.launch import LaunchOptions, resolve_nproc, run_torchrun, torchrun_command, under_torchrun
+    from shardtune.launch import LaunchOptions, resolve_nproc, run_torchrun, torchrun_args, under_torchrun
 
     if under_torchrun():
         return _worker(args.config, _overrides(args))
@@ -78,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
     worker_args = ["train", args.config, *_overrides(args)]
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
-    return run_torchrun(torchrun_command(nproc, worker_args, opts), nproc)
+    return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
 
 
 def _worker(config: str, overrides: list[str]) -> int:
@@ -92,8 +93,11 @@ def _worker(config: str, overrides: list[str]) -> int:
 
         run_training(load_config(config, overrides))
     except ShardtuneError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr)
+        # Every rank usually hits the same input error. torchrun stops all workers when the first
+        # one exits, so the other ranks give rank 0 time to print the one line and exit first.
+        if os.environ.get("RANK", "0") != "0":
+            time.sleep(5)
+        print(f"error: {err}", file=sys.stderr)
         code = 2
     except BaseException:
         traceback.print_exc()

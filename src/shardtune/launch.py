@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -36,9 +36,9 @@ def resolve_nproc(flag: int | str | None, config_value: int | str) -> int:
     return int(value)
 
 
-def torchrun_command(nproc: int, worker_args: list[str], opts: LaunchOptions) -> list[str]:
-    """The torchrun command line that runs `python -m shardtune <worker_args>` on every process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+def torchrun_args(nproc: int, worker_args: list[str], opts: LaunchOptions) -> list[str]:
+    """torchrun's arguments for running `python -m shardtune <worker_args>` on every process."""
+    cmd = [f"--nproc-per-node={nproc}"]
     if opts.nnodes == 1 and opts.rdzv_endpoint is None:
         cmd.append("--standalone")  # a private rendezvous on a free port: runs side by side do not clash
     else:
@@ -50,14 +50,31 @@ def torchrun_command(nproc: int, worker_args: list[str], opts: LaunchOptions) ->
     return [*cmd, "-m", "shardtune", *worker_args]
 
 
-def run_torchrun(cmd: list[str], nproc: int) -> int:
-    env = dict(os.environ)
+def run_torchrun(args: list[str], nproc: int) -> int:
+    """Run torchrun in this process and turn worker failures into an exit code.
+
+    Running the elastic launcher in-process (as accelerate does) lets a worker's one-line user
+    error stand alone: torchrun's ChildFailedError report would otherwise add a traceback to it.
+    Workers exit 2 for bad input, 1 for anything else.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time, ever
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     # torchrun would set 1 thread per process (and print a banner about it); share the cores instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time, ever
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        return subprocess.run(cmd, env=env, check=False).returncode
+        torchrun.run(torchrun.parse_args(args))
+    except ChildFailedError as err:
+        codes = sorted({failure.exitcode for failure in err.failures.values()})
+        if 2 in codes:
+            return 2  # the worker printed the one-line error
+        print(f"error: worker process failed (exit code {', '.join(map(str, codes))}); see its output above",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+    return 0

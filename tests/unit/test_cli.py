@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, shardtune
 
-from shardtune.launch import LaunchOptions, resolve_nproc, torchrun_command
+from shardtune.launch import LaunchOptions, resolve_nproc, torchrun_args
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -116,11 +116,11 @@ def test_resolve_nproc():
     assert resolve_nproc("auto", 2) == (torch.cuda.device_count() or 1)
 
 
-def test_torchrun_command_single_and_multi_node():
-    single = torchrun_command(2, ["train", "c.yaml"], LaunchOptions())
+def test_torchrun_args_single_and_multi_node():
+    single = torchrun_args(2, ["train", "c.yaml"], LaunchOptions())
     assert "--standalone" in single and "--nproc-per-node=2" in single
     assert single[-4:] == ["-m", "shardtune", "train", "c.yaml"]
-    multi = torchrun_command(8, ["train", "c.yaml"], LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:29500"))
+    multi = torchrun_args(8, ["train", "c.yaml"], LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:29500"))
     assert "--standalone" not in multi
     for flag in ("--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:29500", "--rdzv-backend=c10d"):
         assert flag in multi

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from conftest import ROOT
+
 from shardtune.config import SECTIONS
 
 README = (ROOT / "README.md").read_text()
