@@ -1,0 +1,343 @@
+"""Turn benchmark runs into results.jsonl and a markdown table (pure Python, no torch).
+
+Two ways to name the runs:
+
+    python3 bench/summarize.py --manifest /tmp/shardtune_bench/1b/runs.tsv --results OUT/results.jsonl
+    python3 bench/summarize.py zero2=/tmp/run/zero2/metrics.jsonl hf_ds2=/tmp/hf_ds2.log
+
+A shardtune run is read from its metrics.jsonl (eval records, ``"eval": true``, are skipped); its
+steady state is the median over logged records whose ``step`` is above ``--warmup`` (each record
+covers ``log.every`` steps, so compile and warm-up stay out). A baseline run is read from the last
+``RESULT {json}`` line of its log (hf_baseline.py already reports a median step time after warm-up).
+Ratios are tokens/s/GPU of the row divided by the reference run's (``--ref``, default hf_ds2),
+measured in the same call.
+
+Manifest: one run per line, tab-separated: name, kind (shardtune | baseline | skipped), rc,
+wall seconds, log path, metrics path (empty for baselines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REF_DEFAULT = "hf_ds2"
+SECOND_REF = "fsdp2c"  # plain FSDP2 + compile, when it was run: extra ratio column
+_EXC_RE = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b(:|$)|^error: |out of memory")
+_ERR_RE = re.compile(r"(error|exception|killed|signal|sigkill|sigterm)", re.IGNORECASE)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    p = Path(path)
+    if not p.is_file():
+        return out
+    for line in p.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by a kill
+        if isinstance(row, dict):
+            out.append(row)
+    return out
+
+
+def read_result_line(log: str | Path) -> dict[str, Any] | None:
+    """The last ``RESULT {json}`` line of a baseline log, or None."""
+    p = Path(log)
+    if not p.is_file():
+        return None
+    found = None
+    for line in p.read_text(errors="replace").splitlines():
+        idx = line.find("RESULT {")
+        if idx >= 0:
+            with contextlib.suppress(json.JSONDecodeError):
+                found = json.loads(line[idx + len("RESULT "):])
+    return found
+
+
+def last_error_line(log: str | Path | None, limit: int = 200) -> str | None:
+    """The most telling failure line of a log: the last exception line of a worker (not torchrun's
+    ChildFailedError wrapper), else shardtune's one-line ``error: ...``, else the last line."""
+    if not log or not Path(log).is_file():
+        return None
+    lines = [ln.strip() for ln in Path(log).read_text(errors="replace").splitlines() if ln.strip()]
+    for pattern in (_EXC_RE, _ERR_RE):
+        for line in reversed(lines):
+            if pattern.search(line) and "ChildFailedError" not in line and "elastic/errors" not in line:
+                return line[:limit]
+    return lines[-1][:limit] if lines else None
+
+
+def _read_run_config(metrics_path: Path) -> dict[str, Any]:
+    """micro_batch_size / seq_len / strategy from the run's config.yaml next to metrics.jsonl, if readable."""
+    cfg_path = metrics_path.parent / "config.yaml"
+    if not cfg_path.is_file():
+        return {}
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(cfg_path.read_text()) or {}
+    except Exception:
+        return {}
+    train, par = cfg.get("train", {}) or {}, cfg.get("parallel", {}) or {}
+    return {"mbs": train.get("micro_batch_size"), "seq": train.get("seq_len"), "strategy": par.get("strategy"),
+            "compile": par.get("compile"), "precision": train.get("precision"),
+            "preset": (cfg.get("model") or {}).get("preset")}
+
+
+def _median(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(float(v))]
+    return statistics.median(vals) if vals else None
+
+
+# ---- one run ---------------------------------------------------------------------------------
+def summarize_shardtune(name: str, metrics_path: str | Path, warmup: int) -> dict[str, Any]:
+    metrics_path = Path(metrics_path or "/nonexistent/metrics.jsonl")
+    rows = read_jsonl(metrics_path)
+    train = [r for r in rows if not r.get("eval") and "tokens_per_sec_per_device" in r]
+    out: dict[str, Any] = {"name": name, "kind": "shardtune", "records": len(train)}
+    out.update({k: v for k, v in _read_run_config(metrics_path).items() if v is not None})
+    if not train:
+        out["status"] = "no-data"
+        return out
+    steady = [r for r in train if r.get("step", 0) > warmup]
+    if not steady:
+        steady = train[-1:]
+        out["warmup_fallback"] = True  # run too short: only the last record, warm-up included
+    out.update(
+        status="ok",
+        steady_records=len(steady),
+        steady_steps=[r.get("step") for r in steady],
+        last_step=train[-1].get("step"),
+        tokens_per_s_per_gpu=_median([r.get("tokens_per_sec_per_device") for r in steady]),
+        tokens_per_s=_median([r.get("tokens_per_sec") for r in steady]),
+        mfu=_median([r.get("mfu") for r in steady]),
+        step_time_s=_median([r.get("step_time_s") for r in steady]),
+        peak_alloc_gib=max((r.get("peak_mem_gib") or 0.0) for r in train),
+        peak_reserved_gib=max((r.get("peak_reserved_gib") or 0.0) for r in train),
+        loss_first=train[0].get("loss"),
+        loss_last=train[-1].get("loss"),
+        tokens_per_s_per_gpu_all=[round(r["tokens_per_sec_per_device"]) for r in train],
+    )
+    # Sanity: tokens per step and GPU / (micro_batch * seq_len) is 1.0 when no row is padded.
+    mbs, seq, tps, st = out.get("mbs"), out.get("seq"), out["tokens_per_s_per_gpu"], out["step_time_s"]
+    if mbs and seq and tps and st:
+        out["fill"] = round(tps * st / (mbs * seq), 4)
+    return out
+
+
+def summarize_baseline(name: str, log: str | Path) -> dict[str, Any]:
+    res = read_result_line(log)
+    out: dict[str, Any] = {"name": name, "kind": "baseline"}
+    if res is None:
+        out["status"] = "no-data"
+        return out
+    out.update(
+        status="ok",
+        mode=res.get("mode"), size=res.get("size"), world=res.get("world"), seq=res.get("seq"), mbs=res.get("mbs"),
+        tokens_per_s_per_gpu=res.get("tokens_per_s_per_gpu"),
+        mfu=res.get("mfu_989"),
+        step_time_s=res.get("step_s_median"),
+        peak_alloc_gib=res.get("peak_alloc_gib"),
+        peak_reserved_gib=res.get("peak_reserved_gib"),
+        raw=res,
+    )
+    return out
+
+
+def summarize_entry(entry: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """entry: name, kind, rc, wall_s, log, metrics (from the manifest or the command line)."""
+    kind = entry.get("kind", "shardtune")
+    if kind == "skipped":
+        res: dict[str, Any] = {"name": entry["name"], "kind": "skipped", "status": "skipped"}
+    elif kind == "baseline":
+        res = summarize_baseline(entry["name"], entry.get("log") or "")
+    else:
+        res = summarize_shardtune(entry["name"], entry.get("metrics") or "", warmup)
+    rc = entry.get("rc")
+    res["rc"] = rc
+    if entry.get("wall_s") is not None:
+        res["wall_s"] = entry["wall_s"]
+    if rc not in (None, 0):
+        # Numbers from a killed run are kept (a timeout after the last log still measured the steady
+        # state), but the status says what happened.
+        res["has_data"] = res.get("status") == "ok"
+        if res["kind"] != "skipped":
+            res["error"] = last_error_line(entry.get("log"))
+        if res["has_data"] and rc not in (124, 137) and _finished(entry, res):
+            # It finished (RESULT printed / summary.json written) and then died on the way out,
+            # e.g. a gloo abort at interpreter shutdown: the numbers stand.
+            res["exit_note"] = f"rc={rc} after finishing"
+        else:
+            res["status"] = "timeout" if rc in (124, 137) else "failed"
+    return res
+
+
+def _finished(entry: dict[str, Any], res: dict[str, Any]) -> bool:
+    if res["kind"] == "baseline":
+        return True  # the RESULT line is printed after the last step
+    metrics = entry.get("metrics")
+    return bool(metrics) and (Path(metrics).parent / "summary.json").is_file()
+
+
+def add_ratios(results: list[dict[str, Any]], ref: str) -> None:
+    def tps(name: str) -> float | None:
+        for r in results:
+            if r["name"] == name and r.get("tokens_per_s_per_gpu"):
+                return float(r["tokens_per_s_per_gpu"])
+        return None
+
+    for key, ref_name in ((f"ratio_vs_{ref}", ref), (f"ratio_vs_{SECOND_REF}", SECOND_REF)):
+        base = tps(ref_name)
+        for r in results:
+            v = r.get("tokens_per_s_per_gpu")
+            r[key] = round(float(v) / base, 4) if base and v else None
+
+
+# ---- output ----------------------------------------------------------------------------------
+def _fmt(v: Any, kind: str) -> str:
+    if v is None:
+        return "–"
+    if kind == "int":
+        return f"{float(v):,.0f}"
+    if kind == "pct":
+        return f"{100 * float(v):.1f}%"
+    if kind == "ratio":
+        return f"{float(v):.2f}"
+    if kind == "gib":
+        return f"{float(v):.1f}"
+    if kind == "s":
+        return f"{float(v):.3f}"
+    return str(v)
+
+
+def _suffix(r: dict[str, Any]) -> str:
+    status = r.get("status")
+    if status == "ok":
+        return ""
+    if status == "failed":
+        return f" (rc={r.get('rc')})"
+    if status == "timeout":
+        return " (timeout)" if r.get("has_data") else " (timeout, no data)"
+    return f" ({status})"
+
+
+def render_table(results: list[dict[str, Any]], ref: str) -> str:
+    second = any(r["name"] == SECOND_REF and r.get("tokens_per_s_per_gpu") for r in results) and ref != SECOND_REF
+    head = ["variant", "tokens/s/GPU", f"ratio vs {ref}"] + ([f"vs {SECOND_REF}"] if second else []) + [
+        "MFU", "peak alloc GiB", "peak reserved GiB", "step time s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        name = r["name"] + _suffix(r)
+        cells = [name, _fmt(r.get("tokens_per_s_per_gpu"), "int"), _fmt(r.get(f"ratio_vs_{ref}"), "ratio")]
+        if second:
+            cells.append(_fmt(r.get(f"ratio_vs_{SECOND_REF}"), "ratio"))
+        cells += [_fmt(r.get("mfu"), "pct"), _fmt(r.get("peak_alloc_gib"), "gib"),
+                  _fmt(r.get("peak_reserved_gib"), "gib"), _fmt(r.get("step_time_s"), "s")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_notes(results: list[dict[str, Any]], warmup: int) -> str:
+    notes = []
+    for r in results:
+        if r.get("status") != "ok":
+            what = f"{r.get('status')}" + (f" rc={r['rc']}" if r.get("rc") not in (None, 0) else "")
+            if r.get("status") == "timeout" and r.get("has_data"):
+                what += " (numbers are from the records logged before the kill)"
+            notes.append(f"- {r['name']}: {what}" + (f" — {r['error']}" if r.get("error") else ""))
+        if r.get("exit_note"):
+            notes.append(f"- {r['name']}: {r['exit_note']}" + (f" — {r['error']}" if r.get("error") else ""))
+        if r.get("warmup_fallback"):
+            notes.append(f"- {r['name']}: no record after step {warmup}; used the last record (warm-up included)")
+        fill = r.get("fill")
+        if fill is not None and fill < 0.99:
+            notes.append(f"- {r['name']}: only {fill:.0%} of each micro-batch is real tokens (padding) — "
+                         "throughput is not comparable")
+    return "\n".join(notes)
+
+
+def parse_manifest(path: str | Path) -> list[dict[str, Any]]:
+    entries = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = line.split("\t") + [""] * 6
+        name, kind, rc, wall, log, metrics = (p.strip() for p in parts[:6])
+        entries.append({"name": name, "kind": kind or "shardtune",
+                        "rc": int(rc) if rc.lstrip("-").isdigit() else None,
+                        "wall_s": float(wall) if re.fullmatch(r"\d+(\.\d+)?", wall) else None,
+                        "log": log or None, "metrics": metrics or None})
+    return entries
+
+
+def parse_pairs(pairs: list[str]) -> list[dict[str, Any]]:
+    entries = []
+    for item in pairs:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise SystemExit(f"summarize: {item!r}: expected NAME=PATH (metrics.jsonl or a baseline log)")
+        if path.endswith(".jsonl"):
+            entries.append({"name": name, "kind": "shardtune", "metrics": path, "log": None, "rc": None})
+        else:
+            entries.append({"name": name, "kind": "baseline", "log": path, "rc": None})
+    return entries
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Summarize shardtune benchmark runs into a markdown table.")
+    ap.add_argument("runs", nargs="*", help="NAME=PATH: a metrics.jsonl (shardtune) or a log with RESULT (baseline)")
+    ap.add_argument("--manifest", help="runs.tsv written by bench/core.sh")
+    ap.add_argument("--warmup", type=int, default=10, help="ignore logged records with step <= this")
+    ap.add_argument("--ref", default=REF_DEFAULT, help="run whose tokens/s/GPU is the ratio's denominator")
+    ap.add_argument("--results", help="write one JSON line per run here")
+    ap.add_argument("--metrics-out", help="write every run's metrics.jsonl records here, tagged with 'variant'")
+    ap.add_argument("--table", help="write the markdown table here too")
+    ap.add_argument("--title", default="", help="a line printed above the table")
+    args = ap.parse_args(argv)
+
+    entries = (parse_manifest(args.manifest) if args.manifest else []) + parse_pairs(args.runs)
+    if not entries:
+        ap.error("no runs: pass --manifest or NAME=PATH pairs")
+    results = []
+    for e in entries:
+        try:
+            results.append(summarize_entry(e, args.warmup))
+        except Exception as err:  # one unreadable run must not lose the table
+            results.append({"name": e.get("name", "?"), "kind": e.get("kind"), "rc": e.get("rc"),
+                            "status": f"summarize error: {type(err).__name__}: {err}"})
+    add_ratios(results, args.ref)
+
+    if args.results:
+        with open(args.results, "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    if args.metrics_out:
+        with open(args.metrics_out, "w") as f:
+            for e in entries:
+                if e.get("metrics"):
+                    for row in read_jsonl(e["metrics"]):
+                        f.write(json.dumps({"variant": e["name"], **row}) + "\n")
+    notes = render_notes(results, args.warmup)
+    table = render_table(results, args.ref)
+    text = "\n\n".join(x for x in (args.title, notes, table) if x)
+    if args.table:
+        Path(args.table).write_text(text.strip() + "\n")
+    print(text.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Tests of the benchmark summary and the long-text generator (pure Python; `pytest bench/`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import make_long_text
+import summarize
+
+
+def _metrics(path: Path, tps_by_step: dict[int, float], seq: int = 2048, mbs: int = 4) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for step, tps in tps_by_step.items():
+            f.write(json.dumps({"step": step, "loss": 2.0, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_sec": 2 * tps,
+                                "tokens_per_sec_per_device": tps, "mfu": tps * 7.7e9 / 989e12,
+                                "peak_mem_gib": 30.0 + step / 100, "peak_reserved_gib": 33.0,
+                                "step_time_s": mbs * seq / tps}) + "\n")
+        f.write(json.dumps({"eval": True, "step": 40, "eval_loss": 1.0, "eval_accuracy": 0.0}) + "\n")
+    (path.parent / "config.yaml").write_text(f"train:\n  micro_batch_size: {mbs}\n  seq_len: {seq}\nparallel:\n"
+                                             "  strategy: zero2\n  compile: false\n")
+    return path
+
+
+def _result_log(path: Path, mode: str, tps: int) -> Path:
+    res = {"mode": mode, "size": "1b", "world": 2, "seq": 2048, "mbs": 4, "step_s_median": 8192 / tps,
+           "tokens_per_s_per_gpu": tps, "mfu_989": 0.336, "peak_alloc_gib": 34.4, "peak_reserved_gib": 36.0}
+    path.write_text("[rank0]: some noise\nRESULT " + json.dumps(res) + "\n")
+    return path
+
+
+def test_steady_state_median_skips_warmup_and_eval(tmp_path: Path) -> None:
+    m = _metrics(tmp_path / "zero2" / "metrics.jsonl", {5: 1000.0, 10: 2000.0, 15: 40000.0, 20: 42000.0, 25: 41000.0})
+    r = summarize.summarize_shardtune("zero2", m, warmup=10)
+    assert r["status"] == "ok"
+    assert r["steady_steps"] == [15, 20, 25]
+    assert r["tokens_per_s_per_gpu"] == 41000.0
+    assert r["peak_alloc_gib"] == 30.25  # max over all records
+    assert abs(r["fill"] - 1.0) < 1e-9
+
+
+def test_short_run_falls_back_to_last_record(tmp_path: Path) -> None:
+    m = _metrics(tmp_path / "a" / "metrics.jsonl", {5: 1000.0, 10: 2000.0})
+    r = summarize.summarize_shardtune("a", m, warmup=10)
+    assert r["warmup_fallback"] and r["tokens_per_s_per_gpu"] == 2000.0
+
+
+def test_manifest_ratios_failures_and_table(tmp_path: Path) -> None:
+    ok = _metrics(tmp_path / "zero2" / "metrics.jsonl", {15: 44000.0, 20: 44000.0})
+    ref = _result_log(tmp_path / "hf_ds2.log", "hf_ds2", 40000)
+    bad_log = tmp_path / "zero3c.log"
+    bad_log.write_text("Traceback\n[rank0]: RuntimeError: CUDA out of memory\n"
+                       "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    man = tmp_path / "runs.tsv"
+    man.write_text(f"hf_ds2\tbaseline\t0\t50\t{ref}\t\n"
+                   f"zero2\tshardtune\t0\t30\t{tmp_path / 'zero2.log'}\t{ok}\n"
+                   f"zero3c\tshardtune\t1\t20\t{bad_log}\t{tmp_path / 'zero3c' / 'metrics.jsonl'}\n"
+                   "fsdp2c\tskipped\t\t\t\t\n")
+    out = tmp_path / "results.jsonl"
+    assert summarize.main(["--manifest", str(man), "--results", str(out), "--table", str(tmp_path / "t.md")]) == 0
+    rows = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["zero2"]["ratio_vs_hf_ds2"] == 1.1
+    assert rows["hf_ds2"]["ratio_vs_hf_ds2"] == 1.0
+    assert rows["zero3c"]["status"] == "failed" and "CUDA out of memory" in rows["zero3c"]["error"]
+    assert rows["fsdp2c"]["status"] == "skipped"
+    table = (tmp_path / "t.md").read_text().strip().splitlines()
+    assert table[-4].startswith("| hf_ds2 | 40,000 | 1.00 |")
+    assert table[-3].startswith("| zero2 | 44,000 | 1.10 |")
+    assert table[-2].startswith("| zero3c (rc=1) |")
+
+
+def test_timeout_keeps_logged_numbers(tmp_path: Path) -> None:
+    m = _metrics(tmp_path / "z" / "metrics.jsonl", {15: 40000.0})
+    r = summarize.summarize_entry({"name": "z", "kind": "shardtune", "rc": 124, "metrics": str(m), "log": None}, 10)
+    assert r["status"] == "timeout" and r["has_data"] and r["tokens_per_s_per_gpu"] == 40000.0
+
+
+def test_long_text_fills_sequences() -> None:
+    from shardtune.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    lines = make_long_text.make_lines(4, 100, seed=1, min_tokens=300)  # short chars: the check must extend
+    assert all(len(tok.encode(t, add_special_tokens=False)) >= 300 for t in lines)
+    assert lines == make_long_text.make_lines(4, 100, seed=1, min_tokens=300)  # deterministic
+
+
+def test_nonzero_exit_after_finishing_keeps_status_ok(tmp_path: Path) -> None:
+    log = _result_log(tmp_path / "fsdp2.log", "fsdp2", 30000)
+    r = summarize.summarize_entry({"name": "fsdp2", "kind": "baseline", "rc": 1, "log": str(log)}, 10)
+    assert r["status"] == "ok" and r["exit_note"] == "rc=1 after finishing"
+    m = _metrics(tmp_path / "z" / "metrics.jsonl", {15: 40000.0})
+    r = summarize.summarize_entry({"name": "z", "kind": "shardtune", "rc": 1, "metrics": str(m), "log": None}, 10)
+    assert r["status"] == "failed"  # no summary.json: it did not finish
+    (m.parent / "summary.json").write_text("{}")
+    r = summarize.summarize_entry({"name": "z", "kind": "shardtune", "rc": 1, "metrics": str(m), "log": None}, 10)
+    assert r["status"] == "ok"
