@@ -73,12 +73,12 @@ def tokenize_example(example: dict[str, str], tokenizer: Any, cfg: DataConfig,
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if cfg.add_eos and tokenizer.eos_token_id is not None else []
     if resolve_format(example, cfg) == "prompt_completion":
-        prompt = bos + tokenizer.encode(example[cfg.prompt_field], add_special_tokens=False)
-        target = tokenizer.encode(example[cfg.completion_field], add_special_tokens=False) + eos
+        prompt = bos + tokenizer.encode(example[cfg.prompt_field], add_special_tokens=False, verbose=False)
+        target = tokenizer.encode(example[cfg.completion_field], add_special_tokens=False, verbose=False) + eos
         input_ids = prompt + target
         labels = [IGNORE_INDEX] * len(prompt) + target
     else:
-        input_ids = bos + tokenizer.encode(example[cfg.text_field], add_special_tokens=False) + eos
+        input_ids = bos + tokenizer.encode(example[cfg.text_field], add_special_tokens=False, verbose=False) + eos
         # bos is at position 0, which is never a target after the shift; -100 makes that explicit.
         labels = [IGNORE_INDEX] * len(bos) + input_ids[len(bos):]
     return input_ids[:seq_len], labels[:seq_len]
