@@ -37,8 +37,14 @@ class RunState:
     evals: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_training(cfg: Config, ctx: DistContext | None = None) -> dict[str, Any]:
-    """Train as `cfg` says on the current process group; returns the run summary (on every rank)."""
+@dataclass
+class TrainResult:
+    summary: dict[str, Any]  # what summary.json holds
+    backend: Backend  # the trained, still sharded model and its optimizer (for in-process callers)
+
+
+def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
+    """Train as `cfg` says on the current process group; every rank gets the result."""
     ctx = ctx or init_distributed()
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
@@ -106,8 +112,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> dict[str, Any]:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         logger.print(f"done: {total_steps} steps in {train_seconds:.1f}s; model in {out / 'model'}"
                      if cfg.checkpoint.save_final else f"done: {total_steps} steps in {train_seconds:.1f}s")
-    summary["_backend"] = backend  # for in-process callers (tests); not serialised
-    return summary
+    return TrainResult(summary, backend)
 
 
 def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""End to end, as a user runs it: the README's demo command, torchrun directly, the Python API."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run, shardtune
+
+pytestmark = pytest.mark.dist
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "peak_mem_gib", "mfu"}
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_demo_trains_on_two_cpu_processes_and_learns(tmp_path):
+    out = tmp_path / "tiny"
+    proc = shardtune("train", TINY, "--output-dir", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "zero3 on 2 x cpu" in proc.stderr
+    records = _records(out)
+    steps = [r for r in records if not r.get("eval")]
+    evals = [r for r in records if r.get("eval")]
+    assert steps and all(METRIC_KEYS <= r.keys() for r in steps)
+    assert steps[-1]["step"] == 300 and steps[-1]["mfu"] is None  # no MFU on a CPU
+    assert all(r["tokens_per_sec"] > 0 and r["peak_mem_gib"] > 0 for r in steps)
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 300
+    assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
+    assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"] + 0.2
+    assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    ids = tokenizer("up abc=", return_tensors="pt").input_ids
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
+
+
+def test_started_by_torchrun_directly(tmp_path):
+    out = tmp_path / "direct"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "shardtune", "train", TINY, "train.max_steps=4", "log.every=2", f"train.output_dir={out}",
+           "train.eval_batches=1"]
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in _records(out) if not r.get("eval")] == [2, 4]
+    assert "2 x cpu" in proc.stderr
+
+
+def test_python_api(tmp_path):
+    code = (
+        "import shardtune, json, sys\n"
+        f"s = shardtune.train({TINY!r}, ['train.max_steps=3', 'parallel.strategy=zero2', 'train.eval_batches=1'],"
+        f" nproc=1, output_dir={str(tmp_path / 'api')!r})\n"
+        "print(json.dumps({'steps': s['steps'], 'strategy': s['strategy'], 'world': s['world_size']}))\n"
+    )
+    proc = run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"steps": 3, "strategy": "zero2", "world": 1}
+    cfg = __import__("shardtune").load_config(tmp_path / "api" / "config.yaml")
+    assert cfg.parallel.strategy == "zero2" and cfg.train.max_steps == 3
+
+
+def test_bad_data_found_by_the_workers_exits_2_with_one_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    rows = (ROOT / "examples" / "data" / "tasks.jsonl").read_text().splitlines()[:40]
+    data.write_text("\n".join([*rows, '{"prompt": "no completion"}']) + "\n")
+    proc = shardtune("train", TINY, f"data.train_file={data}", "--output-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: {data}:41: missing field 'completion' "
+                     "(format auto: expected 'prompt'+'completion' or 'text')"], proc.stderr

@@ -1,0 +1,82 @@
+"""Loss parity of every strategy against the unsharded single-process run (2 gloo processes, fp32).
+
+One launch runs all 2-process variants (start-up is the expensive part on CPU); the reference is
+one process with grad_accum 4, i.e. the same global batches as 2 processes x grad_accum 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, torchrun
+from shardtune.models.init_model import init_model
+
+pytestmark = pytest.mark.dist
+
+WORKER = str(ROOT / "tests" / "dist" / "worker.py")
+FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:dir"]
+LOW = ["zero3:bf16", "zero2:fp16"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity")
+    # A sharded HF directory (several safetensors files + index) holding the preset's own weights.
+    model_dir = init_model(tmp / "tiny", "tiny-llama", max_shard_bytes=2_000_000)
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(model_dir)
+    try:
+        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp"])
+        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *LOW])
+    finally:
+        os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
+    ref = json.loads((tmp / "ref" / "results.json").read_text())["ddp"]
+    return ref, json.loads((tmp / "two" / "results.json").read_text())
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) >= 6
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("variant", FP32)
+def test_fp32_trajectory_matches_unsharded(results, variant):
+    ref, two = results
+    assert two[variant]["world"] == 2 and ref["world"] == 1
+    assert _max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
+    assert ref["losses"][-1] < ref["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("variant", LOW)
+def test_mixed_precision_close_to_fp32(results, variant):
+    ref, two = results
+    assert _max_diff(ref["losses"], two[variant]["losses"]) < 2e-2
+
+
+@pytest.mark.parametrize("variant", ["zero2", "zero3", "zero3:ac", "zero3:compile"])
+def test_parameters_are_sharded(results, variant):
+    report = results[1][variant]["sharding"]
+    assert report["all_dtensor"] and report["all_shard0"]
+    assert report["local_fraction"] == pytest.approx(0.5, abs=0.01)  # each of 2 ranks holds half
+
+
+def test_ddp_is_not_sharded(results):
+    assert not results[1]["ddp"]["sharding"]["all_dtensor"]
+
+
+@pytest.mark.parametrize("variant", FP32)
+def test_exported_model_reloads_with_same_logits(results, variant):
+    assert results[1][variant]["export_logit_diff"] < 1e-5
+
+
+def test_reference_export_reloads(results):
+    assert results[0]["export_logit_diff"] < 1e-5
+
+
+def test_sharded_safetensors_dir_loads_the_same_weights_as_the_preset(results):
+    two = results[1]
+    assert two["zero3:dir"]["losses"] == two["zero3"]["losses"]
