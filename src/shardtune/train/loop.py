@@ -197,8 +197,10 @@ def evaluate(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistContex
     backend.train(False)
     loss_sum, tokens, right, rows = 0.0, 0, 0, 0
     for i in range(n):
-        idx = lists[i] if i < len(lists) else []
-        batch = _eval_batch(eval_set, idx, t.seq_len, pad_id).to(ctx.device)
+        # Same shape on every rank and step (no recompiles); a rank whose share ran out still joins
+        # the forward pass with all-padding rows that carry no loss.
+        examples = [eval_set[j] for j in lists[i]]
+        batch = collate(examples, t.seq_len, pad_id, batch_size=t.micro_batch_size).to(ctx.device)
         logits = backend.forward(batch)  # every rank runs the same number of forwards (FSDP collectives)
         loss_sum += float(token_loss_sum(logits, batch.labels))
         tokens += batch.num_target_tokens
@@ -207,15 +209,6 @@ def evaluate(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistContex
     backend.train(True)
     loss_sum, tokens, right, rows = all_reduce_sum([loss_sum, tokens, right, rows], ctx.device)
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_accuracy": right / max(rows, 1)}
-
-
-def _eval_batch(eval_set: list[Any], idx: list[int], seq_len: int, pad_id: int) -> Batch:
-    if idx:
-        return collate([eval_set[i] for i in idx], seq_len, pad_id)
-    # A rank with no examples left still joins the forward pass, with a batch that carries no loss.
-    dummy = collate([eval_set[0]], seq_len, pad_id)
-    dummy.labels.fill_(-100)
-    return dummy
 
 
 def _summary(cfg: Config, ctx: DistContext, state: RunState, total_steps: int, seconds: float, n_params: int,
