@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,15 +41,75 @@ class ModelConfig(_Section):
         return self
 
 
+FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca")
+# Logical fields a row format reads, and the column names they have unless `fields` maps them.
+DEFAULT_FIELDS = {"text": "text", "prompt": "prompt", "completion": "completion", "messages": "messages",
+                  "instruction": "instruction", "input": "input", "output": "output"}
+
+
+def _check_fields(v: dict[str, str]) -> dict[str, str]:
+    for key in v:
+        if key not in DEFAULT_FIELDS:
+            raise ValueError(f"unknown field {key!r}{_suggest(key, DEFAULT_FIELDS)}; "
+                             f"fields are {', '.join(DEFAULT_FIELDS)}")
+    return v
+
+
+class SourceConfig(_Section):
+    path: str = Field(..., description="File (.jsonl .json .parquet .csv), folder of them, or a `datasets` "
+                                       "save_to_disk folder.")
+    format: Literal["auto", "text", "prompt_completion", "messages", "alpaca"] = "auto"
+    fields: dict[str, str] = Field(default_factory=dict, description="Logical field -> column, e.g. "
+                                                                     "{prompt: question, completion: answer}.")
+    weight: float = Field(1.0, gt=0.0, description="Examples per epoch as a multiple of the source's size.")
+    split: str | None = Field(None, description="Split of a saved DatasetDict (default: train).")
+
+    @field_validator("fields")
+    @classmethod
+    def _known_fields(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_fields(v)
+
+    def column(self, name: str) -> str:
+        """The column that holds logical field `name` in this source's rows."""
+        return self.fields.get(name, DEFAULT_FIELDS[name])
+
+
 class DataConfig(_Section):
-    train_file: str = Field(..., description="JSONL file with `text`, or `prompt` + `completion` per line.")
-    eval_file: str | None = Field(None, description="Separate held-out JSONL; if unset, eval_fraction of train_file.")
-    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of train_file held out for eval.")
-    format: Literal["auto", "text", "prompt_completion"] = "auto"
-    text_field: str = "text"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    add_eos: bool = Field(True, description="Append the tokenizer's EOS to each example.")
+    train_file: str | None = Field(None, description="Shorthand for one source: sources: [{path: ...}].")
+    format: Literal["auto", "text", "prompt_completion", "messages", "alpaca"] = Field(
+        "auto", description="Format of train_file (auto: detected from the first row).")
+    fields: dict[str, str] = Field(default_factory=dict, description="Column mapping of train_file.")
+    sources: list[SourceConfig] = Field(default_factory=list, description="Several sources, mixed by weight.")
+    eval_file: str | None = Field(None, description="Separate held-out data; if unset, eval_fraction of each source.")
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of each source held out for eval.")
+    chat_template: str = Field("auto", description="auto (the tokenizer's, else chatml), tokenizer, a built-in "
+                                                   "name (chatml, llama3, zephyr) or a .jinja file.")
+    train_on: Literal["assistant", "completion", "all"] = Field(
+        "assistant", description="Loss on every assistant turn, only the last one, or every token.")
+    add_eos: bool = Field(True, description="End each example with the tokenizer's EOS (it carries loss).")
+    truncation: Literal["truncate", "drop"] = Field("truncate", description="Examples longer than train.seq_len.")
+    packing: bool = Field(False, description="Pack examples into full rows; attention stays within each example.")
+    max_examples: int | None = Field(None, ge=1, description="Train on a deterministic subset of at most N.")
+    fraction: float = Field(1.0, gt=0.0, le=1.0, description="Train on a deterministic share of the examples.")
+    strict: bool = Field(False, description="Stop at the first bad row instead of skipping and counting it.")
+    cache_dir: str | None = Field(None, description="Tokenization cache (default ~/.cache/shardtune/data).")
+    num_proc: int | Literal["auto"] = Field("auto", description="Tokenizer worker processes.")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> DataConfig:
+        if (self.train_file is None) == (not self.sources):
+            raise ValueError("data: set exactly one of data.train_file (one file) or data.sources (a list)")
+        try:
+            _check_fields(self.fields)
+        except ValueError as err:
+            raise ValueError(f"data.fields: {err}") from None
+        return self
+
+    def all_sources(self) -> list[SourceConfig]:
+        """The training sources, with the train_file shorthand expanded."""
+        if self.train_file is not None:
+            return [SourceConfig(path=self.train_file, format=self.format, fields=self.fields)]
+        return list(self.sources)
 
 
 class ParallelConfig(_Section):
@@ -180,21 +241,39 @@ def _suggest(word: str, choices: Any) -> str:
     return f" (did you mean {names[close[0]]!r}?)" if close else ""
 
 
-def _section_fields(loc: tuple[Any, ...]) -> list[str]:
-    if len(loc) >= 2 and loc[0] in SECTIONS:
-        return list(SECTIONS[loc[0]].model_fields)
-    return list(SECTIONS)
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config model that holds the last key of an error location (walking sections and lists)."""
+    model: Any = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        model = field.annotation
+        for arg in typing.get_args(model) or ():  # list[SourceConfig], X | None
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                model = arg
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _key(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "config"
 
 
 def _one_line(err: ValidationError) -> str:
     """The first error of a pydantic ValidationError as one actionable line."""
     e = err.errors()[0]
-    loc = tuple(x for x in e["loc"] if not isinstance(x, int) or len(e["loc"]) == 1)
-    key = ".".join(str(x) for x in loc) or "config"
+    loc = tuple(e["loc"])
+    key = _key(loc)
     value = e.get("input")
     kind = e["type"]
     if kind == "extra_forbidden":
-        allowed = _section_fields(loc)
+        model = _model_at(loc)
+        allowed = list(model.model_fields) if model else []
         return f"{key}: unknown key{_suggest(str(loc[-1]), allowed)}; allowed keys: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required key is missing"
@@ -202,8 +281,9 @@ def _one_line(err: ValidationError) -> str:
         expected = e.get("ctx", {}).get("expected", "")
         return f"{key}: {value!r} is not allowed; choose one of {expected}"
     if kind == "value_error":
-        return f"{key}: {e['msg'].removeprefix('Value error, ')}" if key != "config" and "." in key else \
-            e["msg"].removeprefix("Value error, ")
+        msg = e["msg"].removeprefix("Value error, ")
+        # Model-level checks name their keys themselves; field-level ones get the key in front.
+        return msg if len(loc) <= 1 else f"{key}: {msg}"
     return f"{key}: {value!r} is not valid ({e['msg'].lower()})"
 
 
