@@ -10,8 +10,9 @@ from shardtune.errors import ShardtuneError
 
 
 def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False) -> Config:
-    """Check config, model, tokenizer and data files. With quiet=False also tokenise the data and
-    print a summary. Raises ShardtuneError (exit code 2) on the first problem."""
+    """Check config, model, tokenizer and data (tokenised into the cache, so the workers that follow
+    find it there), and that one global batch fits the data. With quiet=False print a report.
+    Raises ShardtuneError (exit code 2) on the first problem."""
     from shardtune.launch import resolve_nproc
     from shardtune.models.build import load_hf_config
     from shardtune.models.tokenizer import load_tokenizer
@@ -23,14 +24,21 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     if max_pos and cfg.train.seq_len > max_pos:
         raise ShardtuneError(f"train.seq_len: {cfg.train.seq_len} exceeds the model's max_position_embeddings "
                              f"({max_pos}); set train.seq_len <= {max_pos}")
-    for key in ("train_file", "eval_file"):
-        file = getattr(cfg.data, key)
-        if file is not None and not Path(file).is_file():
-            raise ShardtuneError(f"data.{key}: {file!r} does not exist; give the path of a JSONL file")
+    paths = [("data.train_file", cfg.data.train_file), ("data.eval_file", cfg.data.eval_file),
+             *((f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources))]
+    for key, path in paths:
+        if path is not None and not Path(path).exists():
+            raise ShardtuneError(f"{key}: {path!r} does not exist; give a data file or folder")
     tokenizer = load_tokenizer(cfg.model.path)
     check_vocab(tokenizer, hf_config)
     world = resolve_nproc(nproc_flag, cfg.parallel.nproc)
     if quiet:
+        from shardtune.data import StepSampler
+        from shardtune.data.pipeline import build_data
+
+        t = cfg.train
+        data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=True)
+        StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world, 0, t.seed)
         return cfg
     _report(cfg, hf_config, tokenizer, world)
     return cfg
@@ -40,21 +48,32 @@ def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from shardtune.data import StepSampler, build_datasets
+    from shardtune.data import StepSampler
+    from shardtune.data.pipeline import build_data
     from shardtune.models.build import build_on_meta
 
     t = cfg.train
-    train_set, eval_set = build_datasets(cfg.data, tokenizer, t.seq_len, t.seed)
-    sampler = StepSampler(len(train_set), t.micro_batch_size, t.grad_accum, world, 0, t.seed)
+    data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=True)
+    sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world, 0, t.seed)
     steps = t.max_steps or sampler.steps_per_epoch * t.epochs
     n_params = sum(p.numel() for p in build_on_meta(hf_config).parameters())
+    console = Console()
+    if not console.is_terminal:  # piped or logged: keep table columns readable
+        console = Console(width=160)
+    console.print(_sources_table(data.reports))
+    for line in _bad_row_lines(data.reports):
+        console.print(line, highlight=False)
+    console.print(_data_lines(data, t.seq_len), highlight=False)
+    if len(data.train):
+        console.print(_rendered_example(data, tokenizer))
     table = Table(title="shardtune validate: OK", show_header=False)
     rows = [
         ("model", f"{hf_config.model_type}, {n_params / 1e6:,.1f}M parameters "
                   f"({cfg.model.path or 'preset ' + str(cfg.model.preset)})"),
         ("strategy", f"{cfg.parallel.strategy} ({cfg.parallel.backend}) on {world} process(es) per node, "
                      f"{t.precision}, activation checkpointing {cfg.parallel.activation_checkpointing}"),
-        ("data", f"{len(train_set):,} train / {len(eval_set):,} eval examples from {cfg.data.train_file}"),
+        ("data", f"{data.stats['train_examples']:,} train / {data.stats['eval_examples']:,} eval examples"
+                 + (f", packed into {len(data.train):,} rows" if data.packed else "")),
         ("batch", f"{sampler.global_batch} sequences x {t.seq_len} tokens per step "
                   f"({t.micro_batch_size} per process x {t.grad_accum} accumulation x {world} processes)"),
         ("steps", f"{steps} ({sampler.steps_per_epoch} per epoch)"),
@@ -62,4 +81,70 @@ def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:
     ]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    console.print(table)
+
+
+def _sources_table(reports: list[Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="data sources")
+    for col in ("source", "format", "rows", "bad", "examples", "truncated", "dropped", "train", "eval",
+                "weight", "cache"):
+        table.add_column(col, justify="left" if col in ("source", "format") else "right")
+    for r in reports:
+        fmt = f"{r.format} ({r.template})" if r.template else r.format
+        bad = sum(v["count"] for v in r.bad_rows.values())
+        dropped = r.dropped_too_long + r.dropped_no_loss
+        table.add_row(r.path, fmt, f"{r.rows_read:,}", f"{bad:,}", f"{r.examples:,}", f"{r.truncated:,}",
+                      f"{dropped:,}", f"{r.train_examples:,}", f"{r.eval_examples:,}",
+                      "eval" if r.weight == 0 else f"{r.weight:g}", "hit" if r.cache_hit else "built")
+    return table
+
+
+def _bad_row_lines(reports: list[Any]) -> list[str]:
+    lines = []
+    for r in reports:
+        for reason, info in r.bad_rows.items():
+            first = ", ".join(info.get("first", []))
+            lines.append(f"skipped {info['count']:,} bad rows in {r.path}: {reason} (first: {first})")
+        if r.dropped_no_loss:
+            lines.append(f"dropped {r.dropped_no_loss:,} examples of {r.path} with no loss token within seq_len")
+        if r.dropped_too_long:
+            lines.append(f"dropped {r.dropped_too_long:,} examples of {r.path} longer than seq_len "
+                         "(data.truncation: drop)")
+    return lines
+
+
+def _data_lines(data: Any, seq_len: int) -> str:
+    from shardtune.data.packing import pack_best_fit_decreasing, packing_efficiency
+
+    s = data.stats
+    pct = s.get("length_percentiles", {})
+    lengths = data.train.examples.lengths if data.packed else data.train.lengths
+    if data.packed:
+        packed, rows = s["packing_efficiency"], s["packed_rows"]
+    else:
+        bins = pack_best_fit_decreasing(lengths, seq_len)
+        packed, rows = packing_efficiency(lengths, bins, seq_len), len(bins)
+    return (f"train tokens per example: p50 {pct.get('p50')}, p90 {pct.get('p90')}, p99 {pct.get('p99')}, "
+            f"max {pct.get('max')} (seq_len {seq_len})\n"
+            f"real tokens per row: padded {s['padded_efficiency']:.1%} ({len(lengths):,} rows), "
+            f"packed {packed:.1%} ({rows:,} rows){'  <- in use' if data.packed else ''}")
+
+
+def _rendered_example(data: Any, tokenizer: Any) -> Any:
+    """The first training example as text, loss-carrying tokens highlighted."""
+    from rich.text import Text
+
+    from shardtune.data.formats import loss_runs
+
+    example = data.train.examples[0] if data.packed else data.train[0]
+    trainable = [label != -100 for label in example.labels]
+    text = Text("example 0 (")
+    text.append("⟦loss⟧", style="bold green")
+    text.append(" / ")
+    text.append("no loss", style="dim")
+    text.append("):\n")
+    for piece, on in loss_runs(example.input_ids, trainable, tokenizer):
+        text.append(f"⟦{piece}⟧" if on else piece, style="bold green" if on else "dim")
+    return text

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, run, shardtune
 
 pytestmark = pytest.mark.dist
@@ -28,7 +27,7 @@ def test_demo_trains_on_two_cpu_processes_and_learns(tmp_path):
     records = _records(out)
     steps = [r for r in records if not r.get("eval")]
     evals = [r for r in records if r.get("eval")]
-    assert steps and all(METRIC_KEYS <= r.keys() for r in steps)
+    assert steps and all(r.keys() >= METRIC_KEYS for r in steps)
     assert steps[-1]["step"] == 300 and steps[-1]["mfu"] is None  # no MFU on a CPU
     assert all(r["tokens_per_sec"] > 0 and r["peak_mem_gib"] > 0 for r in steps)
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 300

@@ -3,10 +3,12 @@
     torchrun --nproc-per-node N tests/dist/worker.py OUT_DIR GRAD_ACCUM VARIANT [VARIANT ...]
 
 A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
-compile, dir (load $SHARDTUNE_TEST_MODEL_DIR). For each variant rank 0 records the loss trajectory, whether every parameter is a
-DTensor sharded on dim 0, and the largest logit difference between the trained (sharded) model
-and the Hugging Face directory it exported, reloaded with transformers. Results go to
-OUT_DIR/results.json. One launch for many variants: start-up costs ~3 s per launch on CPU.
+compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR). For each
+variant rank 0 records the loss
+trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
+difference between the trained (sharded) model and the Hugging Face directory it exported,
+reloaded with transformers. Results go to OUT_DIR/results.json. One launch for many variants:
+start-up costs ~3 s per launch on CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ BASE = {
 }
 OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
+           "packed": "data.packing=true train.seq_len=64",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
 

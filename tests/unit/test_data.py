@@ -8,20 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardtune.config import DataConfig
+from shardtune.config import DEFAULT_FIELDS
 from shardtune.data import (
-    IGNORE_INDEX,
     Batch,
     Example,
     StepSampler,
-    build_datasets,
     collate,
     eval_batches,
     eval_num_batches,
-    load_examples,
-    split_indices,
-    tokenize_example,
 )
+from shardtune.data.formats import RenderSpec, RowEncoder
 from shardtune.data.synthetic import DEFAULT_N, DEFAULT_SEED, generate
 from shardtune.errors import ShardtuneError
 from shardtune.models.tokenizer import bundled_tokenizer_dir, load_tokenizer, train_tokenizer
@@ -33,16 +29,6 @@ TASKS = REPO / "examples" / "data" / "tasks.jsonl"
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer(None)
-
-
-def _cfg(**kw) -> DataConfig:
-    return DataConfig(train_file=kw.pop("train_file", "unused.jsonl"), **kw)
-
-
-def _write(tmp_path: Path, lines: list[str], name: str = "d.jsonl") -> str:
-    p = tmp_path / name
-    p.write_text("\n".join(lines) + "\n")
-    return str(p)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -76,7 +62,7 @@ def test_load_tokenizer_refuses_model_dir_without_tokenizer(tmp_path):
     # Falling back to the bundled tokenizer would silently train a real model on wrong ids.
     with pytest.raises(ShardtuneError, match="has no tokenizer files"):
         load_tokenizer(str(tmp_path))
-    assert len(load_tokenizer(None)) == 264
+    assert len(load_tokenizer(None)) == 266  # 264 trained + chatml turn markers
 
 
 def test_load_tokenizer_from_model_dir_sets_pad(tmp_path):
@@ -97,64 +83,6 @@ def test_train_tokenizer_fixed_special_ids_and_vocab_bound():
     assert t.convert_ids_to_tokens(t.encode("2024", add_special_tokens=False)) == ["2", "0", "2", "4"]
 
 
-# ---------------------------------------------------------------- tokenize_example
-
-
-def test_prompt_completion_masking_exact_positions(tok):
-    cfg = _cfg()
-    ids, labels = tokenize_example({"prompt": "12+7=", "completion": "19"}, tok, cfg, seq_len=64)
-    p = tok.encode("12+7=", add_special_tokens=False)
-    c = tok.encode("19", add_special_tokens=False)
-    assert ids == [1, *p, *c, 2]
-    assert len(p) == 5 and len(c) == 2
-    # bos + 5 prompt tokens masked; the 2 completion tokens and eos carry loss
-    assert labels == [IGNORE_INDEX] * 6 + [*c, 2]
-    ex = Example(ids, labels)
-    assert ex.num_target_tokens == 3
-    assert [i for i, x in enumerate(labels) if x != IGNORE_INDEX] == [6, 7, 8]
-
-
-def test_eos_optional(tok):
-    ids, labels = tokenize_example({"prompt": "cp ab=", "completion": "ab"}, tok, _cfg(add_eos=False), 64)
-    assert ids[-1] != tok.eos_token_id and labels[-2:] == ids[-2:]
-    assert sum(x != IGNORE_INDEX for x in labels) == 2
-
-
-def test_text_format_loss_on_all_tokens(tok):
-    ids, labels = tokenize_example({"text": "hello 42"}, tok, _cfg(format="text"), 64)
-    body = tok.encode("hello 42", add_special_tokens=False)
-    assert ids == [1, *body, 2]
-    assert labels[0] == IGNORE_INDEX and labels[1:] == ids[1:]  # position 0 is never a target anyway
-    assert Example(ids, labels).num_target_tokens == len(body) + 1
-
-
-def test_auto_format_picks_by_fields(tok):
-    cfg = _cfg()
-    a = tokenize_example({"prompt": "cp ab=", "completion": "ab"}, tok, cfg, 64)
-    b = tokenize_example({"text": "cp ab=ab"}, tok, cfg, 64)
-    assert a[0] == b[0]  # same tokens ...
-    assert a[1] != b[1]  # ... different masks
-
-
-def test_truncation_from_the_right(tok):
-    ids, labels = tokenize_example({"prompt": "rev abcdef=", "completion": "fedcba"}, tok, _cfg(), seq_len=8)
-    full_ids, full_labels = tokenize_example({"prompt": "rev abcdef=", "completion": "fedcba"}, tok, _cfg(), 64)
-    assert ids == full_ids[:8] and labels == full_labels[:8]
-    assert len(ids) == 8 and ids[0] == tok.bos_token_id
-
-
-def test_build_datasets_drops_examples_without_loss_tokens(tmp_path, tok):
-    path = _write(tmp_path, [json.dumps({"prompt": "rev abcdef=", "completion": "fedcba"}),
-                             json.dumps({"prompt": "cp a=", "completion": "a"})])
-    train, evals = build_datasets(_cfg(train_file=path, eval_fraction=0.0), tok, seq_len=8, seed=0)
-    # "<s> rev ␣ a b c d e f =" is 10 tokens > 8: no completion token survives, dropped
-    assert len(train) == 1 and evals == []
-    assert train[0].input_ids[-1] == tok.eos_token_id
-    with pytest.raises(ShardtuneError, match=r"seq_len=4"):
-        build_datasets(_cfg(train_file=path, eval_fraction=0.0), tok, seq_len=4, seed=0)
-
-
-# ---------------------------------------------------------------- collate / Batch
 
 
 def test_collate_shapes_padding_and_masks():
@@ -184,69 +112,6 @@ def test_collate_fills_to_batch_size_and_rejects_overlong():
     assert collate([], seq_len=4, pad_id=0, batch_size=2).num_target_tokens == 0
     with pytest.raises(ValueError):
         collate([Example([1] * 5, [1] * 5)], seq_len=4, pad_id=0)
-
-
-# ---------------------------------------------------------------- load_examples
-
-
-def test_load_examples_auto_and_text(tmp_path):
-    pc = _write(tmp_path, ['{"prompt": "a", "completion": "b", "extra": 1}', "", '{"prompt": "c", "completion": "d"}'])
-    assert load_examples(pc, _cfg()) == [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}]
-    tx = _write(tmp_path, ['{"text": "x", "prompt": "p"}'], "t.jsonl")
-    assert load_examples(tx, _cfg()) == [{"text": "x"}]
-    custom = _write(tmp_path, ['{"q": "x", "a": "y"}'], "c.jsonl")
-    assert load_examples(custom, _cfg(prompt_field="q", completion_field="a")) == [{"q": "x", "a": "y"}]
-
-
-@pytest.mark.parametrize(("lines", "cfg_kw", "pattern"), [
-    (['{"prompt": "a", "completion": "b"}', '{"prompt": "a", "completion": "b"', ""], {}, r"d\.jsonl:2: invalid JSON"),
-    (['{"prompt": "a", "completion": "b"}', "", '{"prompt": "a"}'], {}, r"d\.jsonl:3: missing field 'completion'"),
-    (['{"prompt": "a", "completion": 3}'], {}, r"d\.jsonl:1: field 'completion' must be a string, got int"),
-    (['{"text": "a"}', '{"txt": "a"}'], {}, r"d\.jsonl:2: missing field 'text'"),
-    (['{"prompt": "a", "completion": "b"}'], {"format": "text"}, r"d\.jsonl:1: missing field 'text'"),
-    (['["a", "b"]'], {}, r"d\.jsonl:1: expected a JSON object"),
-])
-def test_load_examples_errors_name_file_and_line(tmp_path, lines, cfg_kw, pattern):
-    path = _write(tmp_path, lines)
-    with pytest.raises(ShardtuneError, match=pattern) as info:
-        load_examples(path, _cfg(**cfg_kw))
-    assert "\n" not in str(info.value)
-
-
-def test_load_examples_missing_or_empty_file(tmp_path):
-    with pytest.raises(ShardtuneError, match="does not exist"):
-        load_examples(str(tmp_path / "nope.jsonl"), _cfg())
-    with pytest.raises(ShardtuneError, match="no examples"):
-        load_examples(_write(tmp_path, [""]), _cfg())
-
-
-# ---------------------------------------------------------------- eval split
-
-
-def test_eval_split_deterministic_disjoint_complete():
-    a = split_indices(1000, 0.05, seed=3)
-    assert a == split_indices(1000, 0.05, seed=3)
-    assert a != split_indices(1000, 0.05, seed=4)
-    train, evals = a
-    assert len(evals) == 50 and not set(train) & set(evals) and sorted(train + evals) == list(range(1000))
-    assert len(split_indices(10, 0.01, 0)[1]) == 1  # at least one when fraction > 0
-    assert split_indices(10, 0.0, 0) == (list(range(10)), [])
-
-
-def test_build_datasets_split_and_eval_file(tmp_path, tok):
-    rows = [json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) for i in range(40)]
-    path = _write(tmp_path, rows)
-    cfg = _cfg(train_file=path, eval_fraction=0.25)
-    train, evals = build_datasets(cfg, tok, seq_len=16, seed=7)
-    train2, evals2 = build_datasets(cfg, tok, seq_len=16, seed=7)
-    assert (train, evals) == (train2, evals2) and len(train) == 30 and len(evals) == 10
-    assert not {tuple(e.input_ids) for e in train} & {tuple(e.input_ids) for e in evals}
-    ev = _write(tmp_path, rows[:3], "ev.jsonl")
-    train3, evals3 = build_datasets(_cfg(train_file=path, eval_file=ev), tok, seq_len=16, seed=7)
-    assert len(train3) == 40 and len(evals3) == 3
-
-
-# ---------------------------------------------------------------- StepSampler
 
 
 def test_sampler_deterministic_and_epoch_change():
@@ -338,5 +203,5 @@ def test_generate_tasks(tok):
         else:
             op, w = p[:-1].split(" ")
             assert c == {"rev": w[::-1], "up": w.upper(), "cp": w}[op]
-        ids, _ = tokenize_example(r, tok, _cfg(), 512)
+        ids, _ = RowEncoder(tok, RenderSpec(format="prompt_completion", columns=dict(DEFAULT_FIELDS)))(r)
         assert len(ids) <= 24

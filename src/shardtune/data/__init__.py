@@ -1,20 +1,10 @@
-"""Data: JSONL loading, prompt-masked tokenization, fixed-shape batches and step-indexed sampling."""
+"""Data: sources, chat templates and loss masks, tokenization cache, packing, step-indexed sampling.
+
+The pipeline (shardtune.data.pipeline.build_data) joins the stages; this package's top level
+exports the light pieces the loop uses per step.
+"""
 
 from shardtune.data.batch import IGNORE_INDEX, Batch, Example, collate
-from shardtune.data.jsonl import build_datasets, load_examples, resolve_format, split_indices, tokenize_example
 from shardtune.data.sampler import StepSampler, eval_batches, eval_num_batches
 
-__all__ = [
-    "IGNORE_INDEX",
-    "Batch",
-    "Example",
-    "StepSampler",
-    "build_datasets",
-    "collate",
-    "eval_batches",
-    "eval_num_batches",
-    "load_examples",
-    "resolve_format",
-    "split_indices",
-    "tokenize_example",
-]
+__all__ = ["IGNORE_INDEX", "Batch", "Example", "StepSampler", "collate", "eval_batches", "eval_num_batches"]

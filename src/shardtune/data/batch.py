@@ -32,19 +32,37 @@ class Batch:
 
     ``labels`` follow the Hugging Face convention: not shifted, the model's logits at position t are
     scored against ``labels[:, t + 1]``; -100 marks prompt tokens and padding.
+
+    Packed batches (``collate_packed`` in data/packing.py) also carry ``position_ids`` (restarting at 0
+    for every example) and ``document_ids`` (0, 1, ... per example within a row, -1 on padding); the
+    model call then gets a document-causal attention mask built from them (models/attention.py).
+    Unpacked batches leave both None.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """A copy with every tensor on ``device``."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
         return Batch(
             input_ids=self.input_ids.to(device, non_blocking=non_blocking),
             attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
+            position_ids=move(self.position_ids),
+            document_ids=move(self.document_ids),
         )
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether rows hold several examples (``document_ids`` set): attention must stay within each."""
+        return self.document_ids is not None
 
     @property
     def num_target_tokens(self) -> int:

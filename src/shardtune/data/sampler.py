@@ -4,9 +4,16 @@ A step's global batch depends only on (num_examples, G, seed, step), where
 G = micro_batch_size * grad_accum * world_size. How it is cut into micro-batches and ranks does not
 change which examples the step sees: one process with grad_accum=4 and two with grad_accum=2 train on
 the same examples at every step.
+
+Resuming: ``state_dict()`` records ``position`` (the next step to run) and what fixes the order
+(num_examples, G, seed, optional data fingerprint); ``load_state_dict`` checks them and restores the
+position, so the resumed run sees exactly the batches of an uninterrupted one. The split of G into
+micro_batch_size x grad_accum x world_size may differ on resume (e.g. other GPU count, same G).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -23,8 +30,10 @@ class StepSampler:
     m of rank r is chunk ``m * world_size + r``.
     """
 
+    STATE_VERSION = 1
+
     def __init__(self, num_examples: int, micro_batch_size: int, grad_accum: int, world_size: int, rank: int,
-                 seed: int) -> None:
+                 seed: int, *, fingerprint: str | None = None) -> None:
         if min(micro_batch_size, grad_accum, world_size) < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad sampler shape: micro_batch_size={micro_batch_size} grad_accum={grad_accum} "
                              f"world_size={world_size} rank={rank}")
@@ -42,8 +51,54 @@ class StepSampler:
                 f"{self.global_batch_size} (train.micro_batch_size={micro_batch_size} x train.grad_accum={grad_accum} "
                 f"x {world_size} processes); lower train.micro_batch_size, train.grad_accum or parallel.nproc, "
                 "or add data")
+        self.fingerprint = fingerprint  # of the data (e.g. its cache keys); checked on resume when both set
+        self._position = 0
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.long)
+
+    @property
+    def position(self) -> int:
+        """The next optimizer step to run (0 at the start). The loop sets it to ``step + 1`` once step
+        ``step`` is done; ``state_dict()`` saves it and ``load_state_dict`` restores it."""
+        return self._position
+
+    @position.setter
+    def position(self, step: int) -> None:
+        if int(step) < 0:
+            raise ValueError(f"position must be >= 0, got {step}")
+        self._position = int(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state to resume from: the next step and the settings the order depends on."""
+        return {"version": self.STATE_VERSION, "position": self._position, "epoch": self._position //
+                self.steps_per_epoch, "num_examples": self.num_examples, "global_batch_size": self.global_batch_size,
+                "seed": self.seed, "fingerprint": self.fingerprint,
+                # informational: these may change on resume as long as their product (G) does not
+                "micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["position"]``; ShardtuneError if the resumed run would see another order."""
+        if state.get("version") != self.STATE_VERSION:
+            raise ShardtuneError(f"cannot resume the data order: sampler state version {state.get('version')!r}, "
+                                 f"this shardtune writes version {self.STATE_VERSION}")
+        problems = []
+        if state["num_examples"] != self.num_examples:
+            problems.append(f"the training set had {state['num_examples']} examples and now has "
+                            f"{self.num_examples} (data files, data.* subset/weights/eval settings or "
+                            "train.seq_len with truncation=drop changed)")
+        if state["seed"] != self.seed:
+            problems.append(f"train.seed was {state['seed']} and is now {self.seed}")
+        if state["global_batch_size"] != self.global_batch_size:
+            problems.append(f"the global batch was {state['global_batch_size']} sequences and is now "
+                            f"{self.global_batch_size} (train.micro_batch_size={self.micro_batch_size} x "
+                            f"train.grad_accum={self.grad_accum} x {self.world_size} processes); keep the product")
+        if (state.get("fingerprint") is not None and self.fingerprint is not None
+                and state["fingerprint"] != self.fingerprint):
+            problems.append("the tokenized training data changed (same size, other content)")
+        if problems:
+            raise ShardtuneError("cannot resume with the same data order: " + "; ".join(problems))
+        self.position = int(state["position"])
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:  # cache: every step of an epoch uses the same permutation

@@ -25,6 +25,7 @@ import random
 import string
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 DEFAULT_N = 20_000
 DEFAULT_SEED = 0
@@ -79,13 +80,33 @@ def generate(n: int, seed: int) -> list[dict[str, str]]:
     return out
 
 
-def write_jsonl(rows: list[dict[str, str]], path: str | Path) -> None:
+def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
     """One compact JSON object per line (compact keeps the shipped file well under 1 MB)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+SYSTEM = "Solve the task."
+CHAT_N, CHAT_SEED = 9_000, 1
+
+
+def as_chat(rows: list[dict[str, str]], seed: int) -> list[dict[str, list[dict[str, str]]]]:
+    """Group task rows into conversations of 1-3 user/assistant turns (a third with a system turn),
+    the `messages` format of `examples/data/tasks_chat.jsonl`: `as_chat(generate(CHAT_N, CHAT_SEED), CHAT_SEED)`."""
+    rng = random.Random(seed)
+    out, i = [], 0
+    while i < len(rows):
+        turns = rows[i:i + rng.randint(1, 3)]
+        i += len(turns)
+        messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 1 / 3 else []
+        for row in turns:
+            messages += [{"role": "user", "content": row["prompt"]},
+                         {"role": "assistant", "content": row["completion"]}]
+        out.append({"messages": messages})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,9 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out", help="output JSONL path")
     ap.add_argument("--n", type=int, default=DEFAULT_N, help=f"number of examples (default {DEFAULT_N})")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
+    ap.add_argument("--chat", action="store_true", help="group tasks into `messages` conversations")
     args = ap.parse_args(argv)
-    write_jsonl(generate(args.n, args.seed), args.out)
-    print(f"wrote {args.n} examples to {args.out}")
+    rows = generate(args.n, args.seed)
+    write_jsonl(as_chat(rows, args.seed) if args.chat else rows, args.out)
+    print(f"wrote {args.n} tasks to {args.out}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ The bundled tokenizer is a byte-level BPE trained on ``examples/data/tasks.jsonl
   words that recur as words (the task names ``rev``, ``up``, ``cp``) merge; the random operand words
   stay one token per letter, which the reverse / upper-case / copy tasks need to be learnable.
 * Special tokens have fixed ids: ``<pad>`` = 0, ``<s>`` (bos) = 1, ``</s>`` (eos) = 2, ``<unk>`` = 3.
+  The bundled tokenizer also has chatml's ``<|im_start|>`` and ``<|im_end|>`` (ids 264, 265), since
+  chatml is the chat template used when a tokenizer has none.
 * Like Llama tokenizers, calling it with ``add_special_tokens=True`` (the default) prepends ``<s>`` and
   adds no ``</s>``. The data pipeline never relies on that: it encodes prompt and completion with
   ``add_special_tokens=False`` and prepends ``bos_token_id`` itself, so the prompt/completion boundary
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # list order = ids 0..3
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # bundled tokenizer only: the next ids after the trained vocab
 # Split before BPE: letter runs (mergeable), single digits, whitespace runs, single other characters.
 _PRE_TOKEN_REGEX = r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]"
 # Used for the bundled tokenizer: on tasks.jsonl a letter pair inside random words occurs ~100-300 times
@@ -127,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     tokenizer = train_tokenizer(_task_texts(Path(args.data)), vocab_size=args.vocab_size,
                                 min_frequency=args.min_frequency)
+    # chatml is the fallback chat template: its turn markers get one id each (after the trained ones).
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))

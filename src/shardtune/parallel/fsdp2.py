@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardtune.config import OptimConfig, ParallelConfig
 from shardtune.dist import DistContext
+from shardtune.models.attention import model_inputs
 from shardtune.models.weights import WeightSource, load_weights
 from shardtune.train.loss import token_loss_sum
 from shardtune.train.optim import build_optimizer, build_scheduler
@@ -40,10 +41,12 @@ class FSDP2Backend:
         self.module: nn.Module = nn.Module()
         self.model: nn.Module = self.module
         self.scaler: torch.amp.GradScaler | None = None
+        self.attn_implementation = "sdpa"  # the model's, read in setup (it picks the packed-batch mask)
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource, optim: OptimConfig,
               lr: float, total_steps: int) -> None:
+        self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
         if self.parallel.activation_checkpointing == "full":
             # Non-reentrant checkpointing composes with FSDP2 and compile; it keeps parameter names.
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -100,10 +103,12 @@ class FSDP2Backend:
         return contextlib.nullcontext()  # FSDP2 casts through its MixedPrecisionPolicy
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        # Rows are right-padded and padding carries no loss, so causal attention alone is exact for
-        # every loss-carrying position; leaving the mask out keeps SDPA on its fast causal kernel.
+        # Unpacked rows are right-padded and padding carries no loss, so causal attention alone is exact
+        # for every loss-carrying position: input_ids only keeps SDPA on its fast causal kernel. Packed
+        # rows get position_ids and a document-causal mask, built once here, outside the blocks.
+        inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
         with self._autocast():
-            out = self.model(input_ids=batch.input_ids, use_cache=False)
+            out = self.model(**inputs, use_cache=False)
         return out.logits
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:

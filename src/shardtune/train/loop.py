@@ -14,7 +14,8 @@ import torch
 
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model
 from shardtune.config import Config, dump_config, parse_size
-from shardtune.data import Batch, StepSampler, build_datasets, collate, eval_batches, eval_num_batches
+from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
+from shardtune.data.pipeline import DataBundle, build_data
 from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
@@ -55,9 +56,9 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model)
     check_vocab(tokenizer, hf_config)
-    train_set, eval_set = build_datasets(cfg.data, tokenizer, cfg.train.seq_len, cfg.train.seed)
     t = cfg.train
-    sampler = StepSampler(len(train_set), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
+    data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=ctx.local_rank == 0)
+    sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
     total_steps = t.max_steps or sampler.steps_per_epoch * t.epochs
 
     model = build_on_meta(hf_config, cfg.model.attn_implementation)
@@ -72,15 +73,15 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl)
     logger.print(f"shardtune: {hf_config.model_type} {n_params / 1e6:,.1f}M params, {cfg.parallel.strategy} on "
                  f"{ctx.world} x {ctx.device.type}, {total_steps} steps of {sampler.global_batch} sequences")
-    pad_id = tokenizer.pad_token_id
+    logger.print(data_line(data))
     state = RunState()
-    run_eval = _evaluator(backend, eval_set, cfg, ctx, pad_id, logger, state)
+    run_eval = _evaluator(backend, data, cfg, ctx, logger, state)
     start = time.perf_counter()
     run_eval(0)
 
     interval = _Interval(ctx.device)
     for step in range(total_steps):
-        micro = [collate([train_set[i] for i in idx], t.seq_len, pad_id) for idx in sampler.micro_batches(step)]
+        micro = [data.train_batch(idx) for idx in sampler.micro_batches(step)]
         normalizer = global_target_tokens(micro, ctx.device)
         lr = backend.lr
         step_loss = torch.zeros((), device=ctx.device)
@@ -172,12 +173,19 @@ def _peak_memory_gib(device: torch.device) -> list[float]:
     return [rss, rss]
 
 
-def _evaluator(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistContext, pad_id: int,
-               logger: MetricsLogger, state: RunState):
+def data_line(data: DataBundle) -> str:
+    s = data.stats
+    rows = (f"packed into {s['packed_rows']:,} rows ({s['packing_efficiency']:.0%} of tokens real)" if data.packed
+            else f"padded to {data.seq_len} ({s['padded_efficiency']:.0%} of tokens real)")
+    return f"data: {s['train_examples']:,} train examples {rows}, {s['eval_examples']:,} eval examples"
+
+
+def _evaluator(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext, logger: MetricsLogger,
+               state: RunState):
     def run(step: int) -> None:
-        if not eval_set:
+        if not len(data.eval):
             return
-        metrics = evaluate(backend, eval_set, cfg, ctx, pad_id)
+        metrics = evaluate(backend, data, cfg, ctx)
         record = {"step": step, **metrics}
         state.evals.append(record)
         logger.log({"eval": True, **record})
@@ -187,11 +195,11 @@ def _evaluator(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistCont
 
 
 @torch.no_grad()
-def evaluate(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistContext, pad_id: int) -> dict[str, float]:
+def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext) -> dict[str, float]:
     """Mean token loss and exact-match accuracy over the held-out set, summed over ranks."""
     t = cfg.train
-    lists = eval_batches(len(eval_set), t.micro_batch_size, ctx.world, ctx.rank)
-    n = eval_num_batches(len(eval_set), t.micro_batch_size, ctx.world)
+    lists = eval_batches(len(data.eval), t.micro_batch_size, ctx.world, ctx.rank)
+    n = eval_num_batches(len(data.eval), t.micro_batch_size, ctx.world)
     if t.eval_batches:
         n = min(n, t.eval_batches)
     backend.train(False)
@@ -199,8 +207,7 @@ def evaluate(backend: Backend, eval_set: list[Any], cfg: Config, ctx: DistContex
     for i in range(n):
         # Same shape on every rank and step (no recompiles); a rank whose share ran out still joins
         # the forward pass with all-padding rows that carry no loss.
-        examples = [eval_set[j] for j in lists[i]]
-        batch = collate(examples, t.seq_len, pad_id, batch_size=t.micro_batch_size).to(ctx.device)
+        batch = data.eval_batch(lists[i], t.micro_batch_size).to(ctx.device)
         logits = backend.forward(batch)  # every rank runs the same number of forwards (FSDP collectives)
         loss_sum += float(token_loss_sum(logits, batch.labels))
         tokens += batch.num_target_tokens

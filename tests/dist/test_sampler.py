@@ -1,0 +1,112 @@
+"""StepSampler across processes (with the token cache built by local rank 0), and its resume state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT, torchrun
+
+from shardtune.data.sampler import StepSampler
+from shardtune.errors import ShardtuneError
+
+WORKER = str(ROOT / "tests" / "dist" / "sampler_worker.py")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """2 processes x grad_accum 2 on a fresh cache, then 1 process x grad_accum 4 (same global batch)
+    resuming from the 2-process run's saved state."""
+    tmp = tmp_path_factory.mktemp("sampler")
+    cache = tmp / "cache"
+    torchrun(2, [WORKER, str(tmp), str(cache), "2"])
+    two = json.loads((tmp / "results-2.json").read_text())
+    (tmp / "state.json").write_text(json.dumps(two[0]["state"]))
+    torchrun(1, [WORKER, str(tmp), str(cache), "4", str(tmp / "state.json")])
+    one = json.loads((tmp / "results-1.json").read_text())
+    return two, one
+
+
+def _flat(mbs):
+    return [i for mb in mbs for i in mb]
+
+
+@pytest.mark.dist
+def test_rank0_builds_the_cache_once_and_the_others_wait(runs):
+    two, one = runs
+    assert [r["hit"] for r in two] == [False, False]  # rank 0 built it, rank 1 polled until it was there
+    assert one[0]["hit"]  # the next launch reads the cache
+    assert two[0]["encoder_procs"] == 2  # built by 2 worker processes started from a torchrun rank
+    n = two[0]["num_examples"]
+    assert n == one[0]["num_examples"] == 230 - 10
+    assert two[0]["bad_rows"] == {"marked bad": {"count": 10, "first": [f"rows.jsonl:{k}" for k in
+                                                                        (23, 46, 69, 92, 115)]}}
+
+
+@pytest.mark.dist
+def test_epoch_covered_disjointly_and_same_global_batches_as_one_process(runs):
+    two, one = runs
+    n, spe = two[0]["num_examples"], two[0]["steps_per_epoch"]
+    g = 2 * 2 * 2
+    assert spe == one[0]["steps_per_epoch"] == n // g
+    for epoch in (0, 1):
+        seen = []
+        for step in range(epoch * spe, (epoch + 1) * spe):
+            r0, r1 = (_flat(r["steps"][step]) for r in two)
+            assert len(r0) == len(r1) == g // 2 and not set(r0) & set(r1)  # disjoint within the step
+            seen += r0 + r1
+            ref = one[0]["steps"][step]  # one process, grad_accum 4: the same chunks, interleaved
+            assert ref == [two[0]["steps"][step][0], two[1]["steps"][step][0],
+                           two[0]["steps"][step][1], two[1]["steps"][step][1]]
+        assert len(seen) == len(set(seen)) == spe * g and set(seen) <= set(range(n))  # disjoint over the epoch
+    assert two[0]["steps"][0] != two[0]["steps"][spe]  # the next epoch is reshuffled
+    # every rank read the same tokens for an example as the single process did
+    merged = {**two[0]["checksums"], **two[1]["checksums"]}
+    assert merged == one[0]["checksums"] and len(merged) == spe * g
+
+
+@pytest.mark.dist
+def test_state_dict_resumes_at_the_same_indices(runs):
+    two, one = runs
+    assert all(r["resumed_same"] for r in (*two, *one))
+    state = two[0]["state"]
+    assert state["position"] == 5 and state["num_examples"] == two[0]["num_examples"] and state["seed"] == 3
+    # the 1-process run resumed the 2-process run's state (same global batch): same batches from step 5 on
+    resumed = one[0]["from_other"]
+    assert resumed["position"] == 5
+    for k, mbs in enumerate(resumed["steps"]):
+        step = 5 + k
+        assert sorted(_flat(mbs)) == sorted(_flat(two[0]["steps"][step]) + _flat(two[1]["steps"][step]))
+
+
+def test_state_dict_round_trip_and_position():
+    a = StepSampler(100, 4, 2, 2, 1, seed=9)
+    assert a.position == 0
+    a.position = 7
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["position"] == 7 and state["epoch"] == 1 and state["global_batch_size"] == 16
+    b = StepSampler(100, 2, 4, 2, 1, seed=9)  # another split of the same global batch
+    b.load_state_dict(state)
+    assert b.position == 7
+    assert sorted(b.step_indices(7)) == sorted(a.step_indices(7))
+    with pytest.raises(ValueError):
+        a.position = -1
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_examples": 101}, r"had 100 examples and now has 101"),
+    ({"seed": 10}, r"train\.seed was 9 and is now 10"),
+    ({"grad_accum": 3}, r"global batch was 16 sequences and is now 24 .*keep the product"),
+    ({"fingerprint": "other"}, r"tokenized training data changed"),
+])
+def test_load_state_dict_refuses_another_order(kwargs, message):
+    a = StepSampler(100, 4, 2, 2, 0, seed=9, fingerprint="data-a")
+    a.position = 3
+    args = {"num_examples": 100, "micro_batch_size": 4, "grad_accum": 2, "world_size": 2, "rank": 0, "seed": 9,
+            "fingerprint": "data-a"} | kwargs
+    b = StepSampler(**args)
+    with pytest.raises(ShardtuneError, match="cannot resume with the same data order: .*" + message):
+        b.load_state_dict(a.state_dict())
+    assert b.position == 0
+    with pytest.raises(ShardtuneError, match="sampler state version"):
+        b.load_state_dict({**a.state_dict(), "version": 99})
