@@ -68,12 +68,24 @@ def test_python_api(tmp_path):
     assert cfg.parallel.strategy == "zero2" and cfg.train.max_steps == 3
 
 
-def test_bad_data_found_by_the_workers_exits_2_with_one_line(tmp_path):
+def test_bad_row_with_strict_data_exits_2_with_one_line(tmp_path):
     data = tmp_path / "bad.jsonl"
     rows = (ROOT / "examples" / "data" / "tasks.jsonl").read_text().splitlines()[:40]
     data.write_text("\n".join([*rows, '{"prompt": "no completion"}']) + "\n")
-    proc = shardtune("train", TINY, f"data.train_file={data}", "--output-dir", str(tmp_path / "run"))
+    proc = shardtune("train", TINY, f"data.train_file={data}", "data.strict=true",
+                     f"data.cache_dir={tmp_path / 'cache'}", "--output-dir", str(tmp_path / "run"))
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == [f"error: {data}:41: missing field 'completion' "
-                     "(format auto: expected 'prompt'+'completion' or 'text')"], proc.stderr
+    assert lines == [f"error: {data}:41: missing field 'completion'"], proc.stderr
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_tiny_chat_with_packing_learns(tmp_path):
+    out = tmp_path / "chat"
+    proc = shardtune("train", str(ROOT / "examples" / "tiny-chat.yaml"), "--output-dir", str(out),
+                     "train.max_steps=60", "train.eval_every=0", "train.eval_batches=4",
+                     f"data.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "packed into" in proc.stderr
+    evals = [r for r in _records(out) if r.get("eval")]
+    assert evals[-1]["eval_loss"] < 0.6 * evals[0]["eval_loss"]

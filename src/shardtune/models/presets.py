@@ -12,7 +12,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~3.4 M parameters: trains on a laptop CPU in a minute.
     "tiny-llama": dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=4, vocab_size=512,
-                       max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
+                       max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
                        rms_norm_eps=1e-5, initializer_range=0.02),
     # Llama-3.2-1B shape (1.24 B parameters).
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
