@@ -75,6 +75,16 @@ class Batch:
         return int(self.attention_mask.sum())
 
 
+def blank_rows(n: int, seq_len: int, pad_id: int,
+               batch_size: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All-padding (input_ids, attention_mask, labels) for n rows, or batch_size rows when given."""
+    rows = n if batch_size is None else batch_size
+    if rows < n:
+        raise ValueError(f"batch_size={batch_size} is smaller than the {n} rows given")
+    return (torch.full((rows, seq_len), pad_id, dtype=torch.long), torch.zeros((rows, seq_len), dtype=torch.long),
+            torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long))
+
+
 def collate(examples: Sequence[Example], seq_len: int, pad_id: int, batch_size: int | None = None) -> Batch:
     """Stack examples into a Batch right-padded to exactly ``seq_len`` (fixed shapes avoid recompiles).
 
@@ -82,12 +92,7 @@ def collate(examples: Sequence[Example], seq_len: int, pad_id: int, batch_size: 
     batch is filled up to that many rows with all-padding rows (no tokens, no loss), so a rank that ran
     out of eval examples can still join the same collective forward pass with the same shapes.
     """
-    rows = len(examples) if batch_size is None else batch_size
-    if rows < len(examples):
-        raise ValueError(f"batch_size={batch_size} is smaller than the {len(examples)} examples given")
-    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, seq_len), dtype=torch.long)
-    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    input_ids, attention_mask, labels = blank_rows(len(examples), seq_len, pad_id, batch_size)
     for i, ex in enumerate(examples):
         n = len(ex.input_ids)
         if n > seq_len or len(ex.labels) != n:

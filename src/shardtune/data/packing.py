@@ -15,7 +15,7 @@ from heapq import heappop, heappush
 import numpy as np
 import torch
 
-from shardtune.data.batch import IGNORE_INDEX, Batch, Example
+from shardtune.data.batch import IGNORE_INDEX, Batch, Example, blank_rows
 
 PAD_DOCUMENT = -1  # document id of padding tokens
 
@@ -118,12 +118,8 @@ def collate_packed(rows: Sequence[Sequence[Example]], seq_len: int, pad_id: int,
 
     With ``batch_size`` the batch is filled up with all-padding rows (as ``collate`` does).
     """
-    n_rows = len(rows) if batch_size is None else batch_size
-    if n_rows < len(rows):
-        raise ValueError(f"batch_size={batch_size} is smaller than the {len(rows)} rows given")
-    input_ids = torch.full((n_rows, seq_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n_rows, seq_len), dtype=torch.long)
-    labels = torch.full((n_rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    input_ids, attention_mask, labels = blank_rows(len(rows), seq_len, pad_id, batch_size)
+    n_rows = input_ids.shape[0]
     position_ids = torch.arange(seq_len, dtype=torch.long).repeat(n_rows, 1)
     document_ids = torch.full((n_rows, seq_len), PAD_DOCUMENT, dtype=torch.long)
     for r, row in enumerate(rows):
