@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (torchrun rendezvous)")
     t.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     t.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
+                   help="continue from a checkpoint (auto = the newest complete one in the run directory)")
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("validate", help="check a config, its model and data without training")
@@ -58,11 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     m.set_defaults(func=cmd_init_model)
+
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    e.add_argument("checkpoint", help="a checkpoint (step-NNNNNNNN) or a run directory (its newest checkpoint)")
+    e.add_argument("out_dir")
+    e.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
+                   help="auto = fp32 for fp32 runs, else bf16")
+    e.add_argument("--max-shard-size", default="5GB")
+    e.set_defaults(func=cmd_export)
     return p
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
     extra = list(args.overrides)
+    resume = getattr(args, "resume", None)
+    if resume is not None and "=" in resume:  # `--resume train.lr=...`: the flag had no value
+        extra.insert(0, resume)
+        resume = "auto"
+    if resume is not None:
+        extra.append(f"checkpoint.resume={resume}")
     if getattr(args, "output_dir", None):
         extra.append(f"train.output_dir={args.output_dir}")
     return extra
@@ -117,6 +133,19 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
     path = init_model(Path(args.out_dir), args.preset, config_only=args.config_only, seed=args.seed, dtype=args.dtype)
     print(f"wrote {path}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardtune.checkpoint.export import export_checkpoint
+    from shardtune.config import parse_size
+
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+    except ValueError as err:
+        raise ShardtuneError(f"--max-shard-size: {err}") from None
+    out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_bytes=max_bytes)
+    print(f"wrote {out}")
     return 0
 
 

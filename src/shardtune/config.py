@@ -152,9 +152,20 @@ class TrainConfig(_Section):
     output_dir: str = "runs/shardtune"
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only before and after training).")
     eval_batches: int | None = Field(None, ge=1, description="Cap on eval micro-batches per process.")
+    stop_after_step: int | None = Field(None, ge=1, description="End the run after this step (the LR schedule "
+                                                                 "still spans max_steps); resume later.")
 
 
 class CheckpointConfig(_Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    every_steps: int = Field(0, ge=0, description="Write a resumable checkpoint every N steps (0 = off).")
+    every_minutes: float = Field(0.0, ge=0.0, description="... and/or every N minutes of training (0 = off).")
+    at_end: bool = Field(True, description="Write a resumable checkpoint after the last step.")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep (the newest is never deleted).")
+    async_save: bool = Field(False, alias="async", description="Write checkpoints in the background (DCP async).")
+    dir: str | None = Field(None, description="Where checkpoints go (default OUTPUT_DIR/checkpoints).")
+    resume: str | None = Field(None, description="auto (newest complete checkpoint, if any) or a checkpoint path.")
     save_final: bool = Field(True, description="Write OUTPUT_DIR/model as a Hugging Face directory at the end.")
     save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto = fp32 for fp32 runs, else bf16.")
@@ -273,7 +284,7 @@ def _one_line(err: ValidationError) -> str:
     kind = e["type"]
     if kind == "extra_forbidden":
         model = _model_at(loc)
-        allowed = list(model.model_fields) if model else []
+        allowed = [f.alias or n for n, f in model.model_fields.items()] if model else []
         return f"{key}: unknown key{_suggest(str(loc[-1]), allowed)}; allowed keys: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required key is missing"
@@ -328,4 +339,4 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML, every default written out."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -31,6 +31,10 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
             raise ShardtuneError(f"{key}: {path!r} does not exist; give a data file or folder")
     tokenizer = load_tokenizer(cfg.model.path)
     check_vocab(tokenizer, hf_config)
+    if cfg.checkpoint.resume not in (None, "auto"):
+        from shardtune.checkpoint.dcp import resolve_checkpoint
+
+        resolve_checkpoint(cfg.checkpoint.resume)  # a named checkpoint must exist and be complete
     world = resolve_nproc(nproc_flag, cfg.parallel.nproc)
     if quiet:
         from shardtune.data import StepSampler

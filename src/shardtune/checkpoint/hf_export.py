@@ -99,17 +99,21 @@ def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: st
     write_safetensors(tmp, [(n, _nbytes(t, dtype)) for n, t in tensors.items()], fetch, max_shard_bytes)
     if rank == 0:
         write_config(module, hf_config, tokenizer, tmp, dtype)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     if dist.is_initialized():
         dist.barrier()
 
 
-def write_config(module: nn.Module, hf_config: Any, tokenizer: Any, out: Path, dtype: torch.dtype) -> None:
-    """config.json (with architectures, dtype, special token ids), generation_config.json, tokenizer."""
+def write_config(model: nn.Module | str | None, hf_config: Any, tokenizer: Any, out: Path,
+                 dtype: torch.dtype) -> None:
+    """config.json (with architectures, dtype, special token ids), generation_config.json, tokenizer.
+
+    `model` gives the architecture: a model, its class name, or None to keep the config's."""
     from transformers import GenerationConfig
 
     cfg = copy.deepcopy(hf_config)
-    cfg.architectures = [type(module).__name__]
+    if model is not None:
+        cfg.architectures = [model if isinstance(model, str) else type(model).__name__]
     cfg.dtype = dtype
     cfg.use_cache = True
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -121,7 +125,7 @@ def write_config(module: nn.Module, hf_config: Any, tokenizer: Any, out: Path, d
         tokenizer.save_pretrained(out)
 
 
-def _replace_dir(new: Path, final: Path) -> None:
+def replace_dir(new: Path, final: Path) -> None:
     """Swap `new` into `final` so a good earlier directory is never half-overwritten."""
     old = final.with_name(f".{final.name}.old")
     shutil.rmtree(old, ignore_errors=True)

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # log lines stay whole in files and pipes
 
 
 def log_rank0(rank: int, message: str) -> None:
@@ -29,7 +29,8 @@ def _fmt(value: Any) -> str:
 class MetricsLogger:
     """`log(record)` appends a JSON line and updates the progress bar. No-ops on ranks other than 0."""
 
-    def __init__(self, rank: int, output_dir: Path, total_steps: int, *, progress: bool, jsonl: bool) -> None:
+    def __init__(self, rank: int, output_dir: Path, total_steps: int, *, progress: bool, jsonl: bool,
+                 resume_step: int = 0) -> None:
         self.active = rank == 0
         self.file = None
         self.progress: Progress | None = None
@@ -37,12 +38,17 @@ class MetricsLogger:
             return
         if jsonl:
             output_dir.mkdir(parents=True, exist_ok=True)
-            self.file = (output_dir / "metrics.jsonl").open("w")
+            path = output_dir / "metrics.jsonl"
+            # A resumed run keeps the records up to its checkpoint and drops any logged after it
+            # (those steps run again).
+            kept = _records_up_to(path, resume_step) if resume_step else []
+            self.file = path.open("w")
+            self.file.writelines(kept)
         if progress:
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console)
-            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, info="")
             self.progress.start()
 
     def log(self, record: dict[str, Any]) -> None:
@@ -68,3 +74,16 @@ class MetricsLogger:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+
+
+def _records_up_to(path: Path, step: int) -> list[str]:
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+    return kept

@@ -109,13 +109,15 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source: WeightSource, device: torch.device) -> None:
-    """Materialise a (possibly sharded) meta model on `device` and fill each rank's shard from `source`."""
+def load_weights(model: nn.Module, source: WeightSource | None, device: torch.device) -> None:
+    """Materialise a (possibly sharded) meta model on `device` and fill each rank's shard from `source`.
+
+    source=None only allocates (a checkpoint is about to overwrite every parameter)."""
     shared = shared_parameters(model)
     model.to_empty(device=device)
     retie(model, shared)
     restore_buffers(model, device)
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if source is not None else ():
         local = param.to_local() if isinstance(param, DTensor) else param
         start, stop = shard_rows(param)
         if param.dim() and local.shape[0] != stop - start:

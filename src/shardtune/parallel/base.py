@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -20,19 +20,31 @@ class Backend(Protocol):
     forward_backward: loss of one micro-batch divided by `normalizer` (target tokens of the whole
                       step on all ranks), backpropagated; returns the detached loss contribution.
     step:             clip, optimizer and scheduler step, zero grads; returns the global grad norm.
+    state_dict:       model + optimizer tensors for a DCP checkpoint (load_state_dict restores them);
+    extra_state:      the JSON-able rest (LR schedule, loss scaler).
     forward:          logits for evaluation (no grad).
     module:           the unwrapped model (for export).
     """
 
     module: nn.Module
 
-    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource, optim: OptimConfig,
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None, optim: OptimConfig,
               lr: float, total_steps: int) -> None: ...
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         ...
 
-    def step(self) -> float: ...
+    def step(self) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...  # tensors for DCP: {"model": ..., "optim": ...}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def extra_state(self) -> dict[str, Any]: ...  # JSON-able: LR schedule, loss scaler
+
+    def load_extra_state(self, state: dict[str, Any]) -> None: ...
+
+    def train(self, mode: bool = True) -> None: ...
 
     def forward(self, batch: Batch) -> torch.Tensor: ...
 

@@ -12,10 +12,11 @@ fully_shard each decoder block -> fully_shard the root -> materialise and load e
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -44,7 +45,7 @@ class FSDP2Backend:
         self.attn_implementation = "sdpa"  # the model's, read in setup (it picks the packed-batch mask)
 
     # ---- set-up -------------------------------------------------------------------------
-    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource, optim: OptimConfig,
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None, optim: OptimConfig,
               lr: float, total_steps: int) -> None:
         self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
         if self.parallel.activation_checkpointing == "full":
@@ -66,13 +67,13 @@ class FSDP2Backend:
         if self.precision == "fp16":
             self.scaler = self._grad_scaler()
 
-    def _setup_ddp(self, model: nn.Module, weights: WeightSource) -> None:
+    def _setup_ddp(self, model: nn.Module, weights: WeightSource | None) -> None:
         load_weights(model, weights, self.ctx.device)
         self.module = model
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=ids)
 
-    def _setup_fsdp(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource) -> None:
+    def _setup_fsdp(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None) -> None:
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world,), mesh_dim_names=("fsdp",))
         # Parameters stay fp32 (the optimizer's master copy); compute in the low precision and
         # reduce gradients in fp32 so the sum over ranks loses nothing.
@@ -135,6 +136,25 @@ class FSDP2Backend:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    # ---- checkpoint state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by parameter name (sharded DTensors under FSDP2), for DCP."""
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def extra_state(self) -> dict[str, Any]:
+        """The JSON-able rest: LR schedule and loss scaler."""
+        return {"scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
     @property
     def lr(self) -> float:

@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model
+from shardtune.checkpoint.dcp import Checkpointer, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model, write_config
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
 from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
-from shardtune.metrics.logger import MetricsLogger
+from shardtune.metrics.logger import MetricsLogger, log_rank0
 from shardtune.models.build import build_on_meta, load_hf_config
 from shardtune.models.facts import decoder_blocks
 from shardtune.models.tokenizer import load_tokenizer
@@ -31,7 +32,7 @@ from shardtune.train.loss import exact_match, token_loss_sum
 
 @dataclass
 class RunState:
-    """What the loop carries between steps (the checkpoint issue will save and restore this)."""
+    """What the loop carries between steps."""
 
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -49,6 +50,11 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     ctx = ctx or init_distributed()
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
+    saved = read_trainer_state(resume) if resume else None
+    if saved:
+        cfg = keep_global_batch(cfg, saved, ctx)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
@@ -60,27 +66,42 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=ctx.local_rank == 0)
     sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
     total_steps = t.max_steps or sampler.steps_per_epoch * t.epochs
+    stop = min(total_steps, t.stop_after_step or total_steps)
 
     model = build_on_meta(hf_config, cfg.model.attn_implementation)
     n_params = sum(p.numel() for p in model.parameters())
     blocks = decoder_blocks(model, hf_config.model_type)
     backend = make_backend(cfg.parallel, t.precision, ctx)
-    backend.setup(model, blocks, make_source(cfg.model, hf_config, ctx.device), cfg.optim, t.lr, total_steps)
+    # Resuming: the checkpoint overwrites every parameter, so the initial weights are not read.
+    weights = None if resume else make_source(cfg.model, hf_config, ctx.device)
+    backend.setup(model, blocks, weights, cfg.optim, t.lr, total_steps)
+    ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_config(
+        model, hf_config, tokenizer, path, SAVE_DTYPES[save_dtype(cfg)]))
+    start_step = 0
+    if resume:
+        saved = ckpt.load(resume, backend)
+        backend.load_extra_state(saved["extra"])
+        sampler.load_state_dict(saved["sampler"])
+        start_step = sampler.position
 
     fpt = flops_per_token(matmul_params(n_params, hf_config), hf_config.num_hidden_layers,
                           hf_config.hidden_size, t.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
-    logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl)
+    logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl,
+                           resume_step=start_step)
     logger.print(f"shardtune: {hf_config.model_type} {n_params / 1e6:,.1f}M params, {cfg.parallel.strategy} on "
                  f"{ctx.world} x {ctx.device.type}, {total_steps} steps of {sampler.global_batch} sequences")
     logger.print(data_line(data))
-    state = RunState()
+    if resume:
+        logger.print(f"resumed from {resume} at step {start_step}")
+    state = RunState(step=start_step)
     run_eval = _evaluator(backend, data, cfg, ctx, logger, state)
     start = time.perf_counter()
-    run_eval(0)
+    if not resume:
+        run_eval(0)
 
     interval = _Interval(ctx.device)
-    for step in range(total_steps):
+    for step in range(start_step, stop):
         micro = [data.train_batch(idx) for idx in sampler.micro_batches(step)]
         normalizer = global_target_tokens(micro, ctx.device)
         lr = backend.lr
@@ -90,30 +111,72 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
                                                   sync_grads=k == len(micro) - 1)
         grad_norm = backend.step()
         interval.add(step_loss, sum(b.num_tokens for b in micro))
-        state.step = step + 1
-        if state.step % cfg.log.every == 0 or state.step == total_steps:
+        state.step = sampler.position = step + 1
+        if ckpt.due(state.step, last=state.step == stop):
+            interval.checkpoint_s += ckpt.save(state.step, backend, trainer_state(state.step, sampler, backend,
+                                                                                  cfg, ctx, total_steps))
+        if state.step % cfg.log.every == 0 or state.step == stop:
             record = interval.flush(state.step, lr, grad_norm, fpt, peak, ctx)
             record["epoch"] = step // sampler.steps_per_epoch
             state.history.append(record)
             logger.log(record)
         if t.eval_every and state.step % t.eval_every == 0 and state.step != total_steps:
             run_eval(state.step)
-    run_eval(total_steps)
+    ckpt.wait()
+    finished = state.step >= total_steps
+    if finished:
+        run_eval(total_steps)
     train_seconds = time.perf_counter() - start
     logger.close()
 
-    if cfg.checkpoint.save_final:
-        dtype_name = cfg.checkpoint.save_dtype
-        if dtype_name == "auto":
-            dtype_name = "fp32" if t.precision == "fp32" else "bf16"
-        save_hf_model(backend.module, hf_config, tokenizer, out / "model", dtype=SAVE_DTYPES[dtype_name],
+    if cfg.checkpoint.save_final and finished:
+        save_hf_model(backend.module, hf_config, tokenizer, out / "model", dtype=SAVE_DTYPES[save_dtype(cfg)],
                       max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank)
     summary = _summary(cfg, ctx, state, total_steps, train_seconds, n_params, out)
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        logger.print(f"done: {total_steps} steps in {train_seconds:.1f}s; model in {out / 'model'}"
-                     if cfg.checkpoint.save_final else f"done: {total_steps} steps in {train_seconds:.1f}s")
+        logger.print(_done_line(state.step, total_steps, train_seconds, out, cfg))
     return TrainResult(summary, backend)
+
+
+def save_dtype(cfg: Config) -> str:
+    name = cfg.checkpoint.save_dtype
+    return ("fp32" if cfg.train.precision == "fp32" else "bf16") if name == "auto" else name
+
+
+def _done_line(step: int, total: int, seconds: float, out: Path, cfg: Config) -> str:
+    if step < total:
+        return f"stopped after step {step} of {total} ({seconds:.1f}s); continue with --resume auto"
+    where = f"; model in {out / 'model'}" if cfg.checkpoint.save_final else ""
+    return f"done: {total} steps in {seconds:.1f}s{where}"
+
+
+def trainer_state(step: int, sampler: StepSampler, backend: Backend, cfg: Config, ctx: DistContext,
+                  total_steps: int) -> dict[str, Any]:
+    """The JSON part of a checkpoint: where the run is and how it was set up."""
+    return {"step": step, "total_steps": total_steps, "sampler": sampler.state_dict(),
+            "extra": backend.extra_state(), "world_size": ctx.world, "global_batch": sampler.global_batch,
+            "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
+            "strategy": cfg.parallel.strategy, "config": cfg.model_dump(mode="json", by_alias=True)}
+
+
+def keep_global_batch(cfg: Config, saved: dict[str, Any], ctx: DistContext) -> Config:
+    """Resuming on another number of processes: change grad_accum so each step sees the same
+    global batch (and so the same examples) as before; refuse when that cannot be done."""
+    t = cfg.train
+    target = int(saved["global_batch"])
+    per_step = t.micro_batch_size * ctx.world
+    if per_step * t.grad_accum == target:
+        return cfg
+    if target % per_step:
+        raise ShardtuneError(f"the checkpoint trained on {target} sequences per step, which {ctx.world} processes x "
+                             f"train.micro_batch_size={t.micro_batch_size} cannot divide; choose micro_batch_size "
+                             f"and grad_accum with micro_batch_size * grad_accum * processes = {target}")
+    new = cfg.model_copy(deep=True)
+    new.train.grad_accum = target // per_step
+    log_rank0(ctx.rank, f"resuming on {ctx.world} processes: train.grad_accum {t.grad_accum} -> "
+                        f"{new.train.grad_accum} keeps the checkpoint's {target} sequences per step")
+    return new
 
 
 def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tensor:
@@ -139,6 +202,7 @@ class _Interval:
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.tokens = 0
+        self.checkpoint_s = 0.0  # time the loop was blocked by checkpoint saves in this interval
         self.t0 = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, tokens: int) -> None:
@@ -160,8 +224,10 @@ class _Interval:
             "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
             "step_time_s": seconds / self.steps,
         }
+        if self.checkpoint_s:
+            record["checkpoint_s"] = self.checkpoint_s
         self.loss_sum.zero_()
-        self.steps, self.tokens, self.t0 = 0, 0, time.perf_counter()
+        self.steps, self.tokens, self.checkpoint_s, self.t0 = 0, 0, 0.0, time.perf_counter()
         return record
 
 

@@ -1,0 +1,328 @@
+"""Resumable sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a directory `step-NNNNNNNN/` holding:
+  *.distcp + .metadata   model and optimizer state, one shard file per rank (DCP): loads on any
+                         world size and across zero2 / zero3 / ddp, DCP reshards on load
+  trainer_state.json     step, sampler position, LR schedule, loss scaler, batch geometry, config
+  rng/rank{R}.safetensors  each rank's RNG states
+  hf/                    config.json + tokenizer, so `shardtune export` needs nothing else
+  manifest.json          written last: every file with its size and CRC32
+
+It is written under a temporary name and renamed into place by rank 0 only when every rank has
+finished, so a crash or kill -9 at any moment leaves the previous checkpoint intact; a directory
+without a valid manifest is never treated as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from shardtune.config import CheckpointConfig
+from shardtune.dist import DistContext
+from shardtune.errors import ShardtuneError
+
+VERSION = 1
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+# ---- finding checkpoints ----------------------------------------------------------------------------
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("version") == VERSION else None
+
+
+def is_complete(path: Path) -> bool:
+    """A manifest of this version, and every file it lists present with its recorded size."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return False
+    for rel, info in manifest["files"].items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != info["size"]:
+            return False
+    return True
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if is_complete(p)]
+
+
+def resolve_checkpoint(value: str, default_root: Path | None = None) -> Path | None:
+    """`auto` -> the newest complete checkpoint under default_root (None if there is none); a path ->
+    that checkpoint, or the newest one in a run directory or checkpoints folder. Raises for a
+    path that holds no complete checkpoint."""
+    if value == "auto":
+        found = complete_checkpoints(default_root) if default_root else []
+        return found[-1] if found else None
+    path = Path(value)
+    if is_complete(path):
+        return path
+    for root in (path, path / "checkpoints"):
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1]
+    if path.is_dir() and (path / MANIFEST).exists():
+        raise ShardtuneError(f"checkpoint {value!r} is incomplete or damaged (files missing or of the wrong size); "
+                             "resume from an earlier one or use --resume auto")
+    raise ShardtuneError(f"checkpoint {value!r}: no complete checkpoint there; give a step-NNNNNNNN directory, "
+                         "a run directory, or --resume auto")
+
+
+# ---- safe reading: nothing in a checkpoint may run code ----------------------------------------------
+
+_SAFE_GLOBALS = {
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+}
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                 "torch.distributed.checkpoint.planner")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: allow only the classes DCP itself writes there."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                 torch.dtype)):
+            return super().find_class(module, name)
+        if module in _SAFE_MODULES and not name.startswith("__"):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
+                                     "needs; refusing to load it")
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as err:
+                raise ShardtuneError(f"{self.path}: {err}") from None
+        metadata.storage_meta = getattr(metadata, "storage_meta", None) or _storage_meta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _storage_meta() -> Any:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    return StorageMeta()
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor entries are read with torch.load(weights_only=True) (DCP's default unpickles them)."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ShardtuneError(f"checkpoint entry {read_item.dest_index.fqn!r} is not plain data: {err}") from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ---- writing ------------------------------------------------------------------------------------------
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finalize(tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    """Rank 0, after every rank has written: manifest last, then one atomic rename into place."""
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        with f.open("rb") as handle:
+            os.fsync(handle.fileno())
+        files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "crc32": _crc32(f)}
+    manifest = {"version": VERSION, **info, "files": files, "created": time.time()}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync_dir(tmp)
+    if final.exists():  # the same step written again (e.g. a resumed run with nothing left to do)
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def verify(path: Path) -> None:
+    """Check every file's size and CRC32 against the manifest (reads the whole checkpoint)."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise ShardtuneError(f"{path}: no valid {MANIFEST}; not a complete checkpoint")
+    for rel, info in manifest["files"].items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != info["size"] or _crc32(f) != info["crc32"]:
+            raise ShardtuneError(f"{path}: {rel} does not match the manifest (damaged checkpoint)")
+
+
+class Checkpointer:
+    """Decides when to save, writes checkpoints (sync or async), keeps the last K, loads one."""
+
+    def __init__(self, cfg: CheckpointConfig, root: Path, ctx: DistContext, hf_dir_writer: Any) -> None:
+        self.cfg, self.root, self.ctx = cfg, root, ctx
+        self.write_hf_dir = hf_dir_writer  # callable(path): writes config.json + tokenizer (rank 0)
+        self.pending: Future | None = None
+        self.last_saved_step = -1
+        self.last_time = time.monotonic()
+        # Async saves run their collectives from a background thread on CPU tensors: a gloo group.
+        self.async_group = dist.new_group(backend="gloo") if cfg.async_save and dist.is_initialized() else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-ckpt")
+        if ctx.is_main and root.is_dir():
+            for stale in root.glob(".step-*.tmp"):  # left by a crash: never complete, safe to drop
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether to save after optimizer step `step` (1-based count of steps done)."""
+        if step == self.last_saved_step:
+            return False
+        if last and self.cfg.at_end:
+            return True
+        if self.cfg.every_steps and step % self.cfg.every_steps == 0:
+            return True
+        if self.cfg.every_minutes:
+            # Ranks must agree: rank 0's clock decides.
+            flag = torch.tensor([float(time.monotonic() - self.last_time >= 60 * self.cfg.every_minutes)],
+                                device=self.ctx.device)
+            if dist.is_initialized():
+                dist.broadcast(flag, src=0)
+            return bool(flag.item())
+        return False
+
+    def save(self, step: int, backend: Any, trainer_state: dict[str, Any]) -> float:
+        """Write a checkpoint of `step`; returns the seconds the training loop was blocked."""
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        tmp = self.root / f".step-{step:08d}.tmp"
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            self.write_hf_dir(tmp / "hf")
+        _barrier()
+        _save_rng(tmp / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
+        state = backend.state_dict()
+        info = {"step": step, "world_size": self.ctx.world}
+        final = step_dir(self.root, step)
+        if self.cfg.async_save:
+            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            written = getattr(result, "upload_completion", result)  # newer torch returns a response object
+            # Rank 0's future completes once every rank has written (DCP gathers their results);
+            # the manifest and the rename then happen off the training thread too.
+            self.pending = (self._executor.submit(self._finish, written, tmp, final, info) if self.ctx.is_main
+                            else written)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            _barrier()
+            if self.ctx.is_main:
+                self._finish(None, tmp, final, info)
+            _barrier()
+        self.last_saved_step = step
+        self.last_time = time.monotonic()
+        return time.perf_counter() - t0
+
+    def _finish(self, written: Future | None, tmp: Path, final: Path, info: dict[str, Any]) -> None:
+        if written is not None:
+            written.result()  # re-raises a failed write
+        finalize(tmp, final, info)
+        for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and, on rank 0, in place."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def load(self, path: Path, backend: Any) -> dict[str, Any]:
+        """Restore model, optimizer and RNG from `path`; returns its trainer state."""
+        state = backend.state_dict()
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        backend.load_state_dict(state)
+        trainer_state = read_trainer_state(path)
+        if trainer_state.get("world_size") == self.ctx.world:
+            _load_rng(path / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
+        self.last_saved_step = int(trainer_state["step"])
+        return trainer_state
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as err:
+        raise ShardtuneError(f"{path}: cannot read {TRAINER_STATE} ({err})") from None
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _save_rng(path: Path, device: torch.device) -> None:
+    from safetensors.torch import save_file
+
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    save_file(states, str(path))
+
+
+def _load_rng(path: Path, device: torch.device) -> None:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return
+    states = load_file(str(path))
+    torch.set_rng_state(states["cpu"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)

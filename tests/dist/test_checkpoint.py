@@ -1,0 +1,200 @@
+"""Checkpoints through the real CLI on gloo processes: resume parity, resharding across world sizes
+and strategies, kill -9 during a save, async == sync, export round trip."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, _env, shardtune
+
+from shardtune.checkpoint.dcp import SafeReader, complete_checkpoints, is_complete, resolve_checkpoint, verify
+from shardtune.checkpoint.export import read_tensor
+
+pytestmark = pytest.mark.dist
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def train(out: Path, cache: str, *extra: str, nproc: int = 2, strategy: str = "zero3", accum: int = 2):
+    args = ["train", TINY, "--nproc", str(nproc), "--output-dir", str(out), f"train.max_steps={STEPS}",
+            "train.micro_batch_size=4", f"train.grad_accum={accum}", f"parallel.strategy={strategy}",
+            "log.every=1", "log.progress=false", "train.eval_batches=1", "checkpoint.every_steps=3",
+            f"data.cache_dir={cache}", *extra]
+    proc = shardtune(*args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def losses(out: Path) -> dict[int, float]:
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    """Uninterrupted: 2 processes, zero3, grad_accum 2 (16 sequences per step), 8 steps."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    train(out, cache)
+    return losses(out)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, cache):
+    """The same run stopped after step 5 (mid-epoch, checkpoints at 3 and 5)."""
+    out = tmp_path_factory.mktemp("stop") / "run"
+    train(out, cache, "train.stop_after_step=5")
+    return out
+
+
+def test_stop_leaves_complete_checkpoints_and_no_model(stopped):
+    assert [p.name for p in complete_checkpoints(stopped / "checkpoints")] == ["step-00000003", "step-00000005"]
+    assert not (stopped / "model").exists()
+    verify(resolve_checkpoint("auto", stopped / "checkpoints"))  # sizes and CRC32 of every file
+
+
+def test_resume_gives_the_uninterrupted_trajectory(tmp_path, stopped, reference, cache):
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    proc = train(out, cache, "--resume")
+    assert "resumed from" in proc.stderr and "step-00000005" in proc.stderr
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # steps 1-5 kept, 6-8 new, none twice
+    assert max(abs(resumed[s] - reference[s]) for s in reference) <= 1e-6
+
+
+@pytest.mark.parametrize(("nproc", "strategy"), [(1, "zero2"), (4, "zero2"), (2, "ddp")])
+def test_reshard_two_process_checkpoint(tmp_path, stopped, reference, cache, nproc, strategy):
+    # 2 -> 1 and 2 -> 4 processes, zero3 -> zero2 / ddp: DCP reshards on load; grad_accum is adjusted
+    # so every step keeps its 16 sequences.
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    proc = train(out, cache, "--resume", nproc=nproc, strategy=strategy)
+    assert ("keeps the checkpoint's 16 sequences per step" in proc.stderr) == (nproc != 2)
+    resumed = losses(out)
+    assert max(abs(resumed[s] - reference[s]) for s in range(6, STEPS + 1)) < 1e-5
+
+
+def test_reshard_one_process_zero2_to_two_process_zero3(tmp_path, reference, cache):
+    out = tmp_path / "run"
+    train(out, cache, "train.stop_after_step=4", nproc=1, strategy="zero2", accum=4)
+    train(out, cache, "--resume", nproc=2, strategy="zero3")
+    resumed = losses(out)
+    assert max(abs(resumed[s] - reference[s]) for s in reference) < 1e-5
+
+
+def test_resume_auto_without_checkpoint_starts_fresh_and_bad_path_is_refused(tmp_path, cache):
+    proc = train(tmp_path / "fresh", cache, "--resume", "train.stop_after_step=1")
+    assert "resumed from" not in proc.stderr
+    bad = shardtune("train", TINY, "--resume", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "x"))
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: checkpoint")
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    cmd = [sys.executable, "-m", "shardtune", "train", TINY, "--nproc", "2", "--output-dir", str(out),
+           "train.max_steps=2000", "checkpoint.every_steps=1", "checkpoint.keep_last=3", "log.progress=false",
+           "train.eval_batches=1", f"data.cache_dir={cache}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed_mid_save = False
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if len(complete_checkpoints(root)) >= 2 and any(root.glob(".step-*.tmp")):
+                for pid in reversed(_descendants(proc.pid)):  # the launcher, torchrun's agent, the workers
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                killed_mid_save = True
+                break
+            time.sleep(0.002)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert killed_mid_save, "never caught a save in progress"
+    time.sleep(1)  # let the killed workers go
+    partial = list(root.glob(".step-*.tmp"))
+    assert partial  # the interrupted save is there, half written, and not a checkpoint
+    newest = resolve_checkpoint("auto", root)
+    assert newest is not None and is_complete(newest)
+    verify(newest)
+    step = int(newest.name.split("-")[1])
+    proc2 = shardtune("train", TINY, "--nproc", "2", "--output-dir", str(out), "train.max_steps=2000",
+                      f"train.stop_after_step={step + 2}", "checkpoint.every_steps=1", "log.progress=false",
+                      "train.eval_batches=1", f"data.cache_dir={cache}", "--resume", "auto")
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert f"resumed from {newest}" in proc2.stderr
+    assert not list(root.glob(".step-*.tmp"))  # the stale partial save was cleared
+    assert is_complete(root / f"step-{step + 2:08d}")
+
+
+def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = SafeReader(str(path)).read_metadata()
+    return {k: read_tensor(path, k, m) for k, m in md.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
+
+
+def test_async_save_equals_sync_save(tmp_path, cache):
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    train(sync, cache, "train.stop_after_step=4", "checkpoint.every_steps=2")
+    proc = train(asyn, cache, "train.stop_after_step=4", "checkpoint.every_steps=2", "checkpoint.async=true")
+    assert proc.returncode == 0
+    for step in ("step-00000002", "step-00000004"):
+        a, b = _all_tensors(sync / "checkpoints" / step), _all_tensors(asyn / "checkpoints" / step)
+        assert a.keys() == b.keys() and any(k.startswith("optim.") for k in a)
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    assert losses(sync) == losses(asyn)
+
+
+def test_export_round_trip_through_transformers(tmp_path, cache):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    train(out, cache)  # ends with a checkpoint at step 8 and the gathered model in out/model
+    exported = tmp_path / "exported"
+    proc = shardtune("export", str(out), str(exported), "--dtype", "fp32", "--max-shard-size", "4MB")
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(exported.glob("model-*.safetensors"))) > 1 and (exported / "tokenizer.json").is_file()
+    a = AutoModelForCausalLM.from_pretrained(exported)
+    b = AutoModelForCausalLM.from_pretrained(out / "model")
+    ids = torch.arange(4, 60).view(2, -1)
+    assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+    bf16 = tmp_path / "bf16"
+    assert shardtune("export", str(out / "checkpoints" / "step-00000008"), str(bf16), "--dtype", "bf16").returncode == 0
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
