@@ -158,6 +158,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def load_state(state: dict[str, Any], path: Path, *, partial: bool = False, no_dist: bool = False) -> None:
+    """dcp.load through the safe reader and planner; a refusal surfaces as one ShardtuneError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    SafeReader(str(path)).read_metadata()  # refuses a tampered .metadata before DCP wraps the error
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(allow_partial_load=partial),
+                 no_dist=no_dist)
+    except CheckpointException as err:
+        marker = "shardtune.errors.ShardtuneError: "
+        for line in str(err).splitlines():
+            if marker in line:
+                raise ShardtuneError(line.split(marker, 1)[1].split(". In PyTorch")[0]) from None
+        raise
+
+
 # ---- writing ------------------------------------------------------------------------------------------
 
 def _crc32(path: Path) -> int:
@@ -287,7 +303,7 @@ class Checkpointer:
     def load(self, path: Path, backend: Any) -> dict[str, Any]:
         """Restore model, optimizer and RNG from `path`; returns its trainer state."""
         state = backend.state_dict()
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        load_state(state, path)
         backend.load_state_dict(state)
         trainer_state = read_trainer_state(path)
         if trainer_state.get("world_size") == self.ctx.world:

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from shardtune.checkpoint.dcp import SafeLoadPlanner, SafeReader, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.dcp import SafeReader, load_state, read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, replace_dir, write_config, write_safetensors
 from shardtune.errors import ShardtuneError
 
@@ -37,8 +36,7 @@ def read_tensor(path: Path, key: str, meta: Any) -> torch.Tensor:
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({key: tensor}, storage_reader=SafeReader(str(path)),
-                 planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+        load_state({key: tensor}, path, partial=True, no_dist=True)
     return tensor
 
 

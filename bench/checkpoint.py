@@ -1,0 +1,88 @@
+"""Checkpoint cost: how long a save blocks training (sync vs async), and export time.
+
+    python bench/checkpoint.py --size 1b --out /tmp/ck          # GPU machine, all GPUs
+    python bench/checkpoint.py --size tiny --out /tmp/ck        # CPU plumbing check
+
+Two runs of the same model and data, saving every `--every` steps, one with synchronous and one
+with asynchronous (DCP async_save) checkpoints; each logs every step, so a step that saved shows
+the time the loop was blocked (`checkpoint_s`, included in its step time). Then `shardtune export`
+of the last checkpoint to a bf16 Hugging Face directory, timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {  # preset, seq_len, micro-batch, precision, steps, save every, processes
+    "tiny": ("tiny-llama", 256, 2, "fp32", 12, 4, 2),
+    "1b": ("llama-3.2-1b", 2048, 4, "bf16", 17, 8, "auto"),
+}
+
+
+def train(size: str, out: Path, data: Path, async_save: bool) -> dict:
+    preset, seq, mbs, prec, steps, every, nproc = SIZES[size]
+    cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
+           f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
+           f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}",
+           "log.every=1", "log.progress=false", "checkpoint.save_final=false", "parallel.strategy=zero3",
+           f"checkpoint.every_steps={every}", f"checkpoint.async={str(async_save).lower()}",
+           "checkpoint.keep_last=1", "checkpoint.at_end=false", f"train.output_dir={out}"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    (out.parent / f"{out.name}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if proc.returncode == 0 else []
+    steps_ = [r for r in recs if "loss" in r and r["step"] > 2]
+    saving = [r for r in steps_ if r.get("checkpoint_s")]
+    plain = [r["step_time_s"] for r in steps_ if not r.get("checkpoint_s")]
+    ckpt = sorted((out / "checkpoints").glob("step-*"))
+    size_gb = sum(f.stat().st_size for f in ckpt[-1].rglob("*") if f.is_file()) / 1e9 if ckpt else 0
+    return {"mode": "async" if async_save else "sync", "rc": proc.returncode, "wall_s": time.time() - t0,
+            "step_s": statistics.median(plain) if plain else None,
+            "save_step_s": [round(r["step_time_s"], 3) for r in saving],
+            "blocked_s": [round(r["checkpoint_s"], 3) for r in saving],
+            # the steps right after an async save overlap with its write
+            "after_save_step_s": [round(r["step_time_s"], 3) for r in steps_
+                                  if any(r["step"] == s["step"] + 1 for s in saving)],
+            "checkpoint_gb": round(size_gb, 2), "last": str(ckpt[-1]) if ckpt else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=SIZES, default="tiny")
+    ap.add_argument("--out", default="/tmp/shardtune_ckpt")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "long.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "make_long_text.py"), str(data), "--n", "256",
+                    "--chars", str(SIZES[args.size][1] + 300), "--min-tokens", str(SIZES[args.size][1])],
+                   check=True, capture_output=True)
+    results = []
+    for async_save in (False, True):
+        results.append(train(args.size, out / ("async" if async_save else "sync"), data, async_save))
+        print(json.dumps(results[-1]), flush=True)
+    export = {"mode": "export", "rc": None}
+    if results[0]["last"]:
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "shardtune", "export", results[0]["last"], str(out / "hf"),
+                               "--dtype", "bf16"], capture_output=True, text=True, check=False)
+        export.update(rc=proc.returncode, wall_s=round(time.time() - t0, 1), err=proc.stderr[-500:])
+    (out / "checkpoint_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*results, export]))
+    print(f"\n{args.size}: {SIZES[args.size]}")
+    print("| mode | rc | checkpoint GB | median step s | step s when saving | blocked s | next step s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['mode']} | {r['rc']} | {r['checkpoint_gb']} | {r['step_s']} | {r['save_step_s']} | "
+              f"{r['blocked_s']} | {r['after_save_step_s']} |")
+    print(f"export (bf16 HF dir): rc {export['rc']}, {export.get('wall_s')} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Checkpoint files without processes: safe loading, manifests, completeness, resolution, pruning."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from shardtune.checkpoint.dcp import (
+    complete_checkpoints,
+    finalize,
+    is_complete,
+    load_state,
+    resolve_checkpoint,
+    verify,
+)
+from shardtune.errors import ShardtuneError
+
+
+def _save(path: Path, state: dict) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def _load(path: Path, state: dict) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        load_state(state, path, no_dist=True)
+
+
+class Exploit:
+    """Unpickling this runs a command (what an attacker would put in a checkpoint)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _step(root: Path, step: int, state: dict) -> Path:
+    tmp = root / f".step-{step:08d}.tmp"
+    _save(tmp, state)
+    final = root / f"step-{step:08d}"
+    finalize(tmp, final, {"step": step, "world_size": 1})
+    return final
+
+
+def test_plain_checkpoint_round_trips_through_the_safe_reader(tmp_path):
+    state = {"model": {"w": torch.randn(3, 4)}, "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}}
+    _save(tmp_path / "c", state)
+    target = {"model": {"w": torch.zeros(3, 4)}, "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}}
+    _load(tmp_path / "c", target)
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
+    assert target["optim"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_code_in_a_checkpoint_entry_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    _save(tmp_path / "c", {"w": torch.ones(2), "extra": Exploit(marker)})
+    with pytest.raises(ShardtuneError, match="not plain data"):
+        _load(tmp_path / "c", {"w": torch.zeros(2), "extra": None})
+    assert not marker.exists()
+
+
+def test_code_in_the_metadata_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    _save(tmp_path / "c", {"w": torch.ones(2)})
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(Exploit(marker)))
+    with pytest.raises(ShardtuneError, match=r"posix\.system|os\.system"):
+        _load(tmp_path / "c", {"w": torch.zeros(2)})
+    assert not marker.exists()
+
+
+def test_manifest_completeness_and_damage(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    first = _step(root, 1, {"w": torch.ones(4)})
+    second = _step(root, 2, {"w": torch.full((4,), 2.0)})
+    manifest = json.loads((second / "manifest.json").read_text())
+    assert manifest["step"] == 2 and ".metadata" in manifest["files"]
+    assert complete_checkpoints(root) == [first, second]
+    (root / ".step-00000003.tmp").mkdir()  # a save cut short: ignored
+    (root / "step-00000004").mkdir()  # no manifest: ignored
+    assert resolve_checkpoint("auto", root) == second
+    verify(second)
+    distcp = next(second.glob("*.distcp"))
+    data = bytearray(distcp.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit flipped: only the checksum sees it
+    distcp.write_bytes(bytes(data))
+    assert is_complete(second)
+    with pytest.raises(ShardtuneError, match="does not match the manifest"):
+        verify(second)
+    distcp.write_bytes(bytes(data[:-1]))  # truncated: no longer complete
+    assert not is_complete(second) and resolve_checkpoint("auto", root) == first
+
+
+def test_resolve_paths(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    assert resolve_checkpoint("auto", root) is None
+    step = _step(root, 7, {"w": torch.ones(1)})
+    assert resolve_checkpoint(str(step)) == step
+    assert resolve_checkpoint(str(tmp_path / "run")) == step  # a run directory: its newest
+    with pytest.raises(ShardtuneError, match="no complete checkpoint there"):
+        resolve_checkpoint(str(tmp_path / "missing"))
