@@ -2,4 +2,7 @@ import sys
 
 from shardtune.cli import main
 
-sys.exit(main())
+# Guarded: spawned helper processes (tokenizer workers, DCP's async checkpoint writer) import the
+# main module again and must not run the CLI.
+if __name__ == "__main__":
+    sys.exit(main())
