@@ -229,6 +229,8 @@ class Checkpointer:
         self.cfg, self.root, self.ctx = cfg, root, ctx
         self.write_hf_dir = hf_dir_writer  # callable(path): writes config.json + tokenizer (rank 0)
         self.pending: Future | None = None
+        self.staging: Future | None = None  # async: the copy to host memory still running
+        self.stager: Any = None
         self.last_saved_step = -1
         self.last_time = time.monotonic()
         # Async saves run their collectives from a background thread on CPU tensors: a gloo group.
@@ -271,8 +273,10 @@ class Checkpointer:
         info = {"step": step, "world_size": self.ctx.world}
         final = step_dir(self.root, step)
         if self.cfg.async_save:
-            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group,
+                                    **self._stager_kwargs())
             written = getattr(result, "upload_completion", result)  # newer torch returns a response object
+            self.staging = getattr(result, "staging_completion", None)
             # Rank 0's future completes once every rank has written (DCP gathers their results);
             # the manifest and the rename then happen off the training thread too.
             self.pending = (self._executor.submit(self._finish, written, tmp, final, info) if self.ctx.is_main
@@ -287,6 +291,32 @@ class Checkpointer:
         self.last_time = time.monotonic()
         return time.perf_counter() - t0
 
+    def _stager_kwargs(self) -> dict[str, Any]:
+        """Async staging into reused (pinned, on GPUs) host buffers on a side stream, as torchtitan
+        does: the loop goes on with the next forward/backward while the shards are copied out."""
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:  # older torch: staging blocks inside async_save
+            return {}
+        if self.stager is None:
+            gpu = self.ctx.device.type == "cuda"
+            try:
+                self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                           use_async_staging=True, use_non_blocking_copy=gpu))
+            except TypeError:  # a torch whose StagingOptions differ: fall back to blocking staging
+                self.stager = False
+        return {"async_stager": self.stager} if self.stager else {}
+
+    def before_update(self) -> float:
+        """Call before the optimizer changes parameters: waits for an async save's staging copy.
+        Returns the seconds waited."""
+        if self.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        staging, self.staging = self.staging, None
+        staging.result()
+        return time.perf_counter() - t0
+
     def _finish(self, written: Future | None, tmp: Path, final: Path, info: dict[str, Any]) -> None:
         if written is not None:
             written.result()  # re-raises a failed write
@@ -296,6 +326,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and, on rank 0, in place."""
+        self.before_update()
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.result()

@@ -109,6 +109,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         for k, batch in enumerate(micro):
             step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
                                                   sync_grads=k == len(micro) - 1)
+        interval.checkpoint_s += ckpt.before_update()  # an async save's copy must finish before the update
         grad_norm = backend.step()
         interval.add(step_loss, sum(b.num_tokens for b in micro))
         state.step = sampler.position = step + 1
