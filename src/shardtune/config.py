@@ -156,6 +156,17 @@ class TrainConfig(_Section):
                                                                  "still spans max_steps); resume later.")
 
 
+class PeftConfig(_Section):
+    method: Literal["none", "lora", "qlora"] = Field("none", description="Full fine-tuning, LoRA, or LoRA on "
+                                                                        "4-bit NF4 base weights.")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0.0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["auto", "all-linear"] = Field(
+        "auto", description="auto = the architecture's attention + MLP projections; all-linear; or names.")
+    use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
+
+
 class CheckpointConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
@@ -189,6 +200,7 @@ class Config(_Section):
     data: DataConfig
     parallel: ParallelConfig = ParallelConfig()
     optim: OptimConfig = OptimConfig()
+    peft: PeftConfig = PeftConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
