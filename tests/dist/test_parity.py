@@ -20,6 +20,7 @@ WORKER = str(ROOT / "tests" / "dist" / "worker.py")
 FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
+LORA = ["ddp:lora", "zero2:lora", "zero3:lora"]
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,14 @@ def results(tmp_path_factory):
     assert (model_dir / "model.safetensors.index.json").is_file()
     os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(model_dir)
     try:
-        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed"])
-        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LOW])
+        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora"])
+        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, *LOW])
     finally:
         os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
     refs = json.loads((tmp / "ref" / "results.json").read_text())
     two = json.loads((tmp / "two" / "results.json").read_text())
     two["_ref_packed"] = refs["ddp:packed"]
+    two["_ref_lora"] = refs["ddp:lora"]
     return refs["ddp"], two
 
 
@@ -91,3 +93,13 @@ def test_packed_trajectory_matches_unsharded_packed(results, variant):
     two = results[1]
     assert _max_diff(two["_ref_packed"]["losses"], two[variant]["losses"]) < 1e-5
     assert two[variant]["export_logit_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("variant", LORA)
+def test_lora_matches_single_process_lora_and_saves_a_loadable_adapter(results, variant):
+    two = results[1]
+    ref = two["_ref_lora"]
+    assert _max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
+    assert ref["losses"][-1] < ref["losses"][0]
+    assert two[variant]["base_weights_diff"] == 0.0  # the base never changes, to the bit
+    assert two[variant]["adapter_logit_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = trained

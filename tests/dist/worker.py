@@ -38,6 +38,7 @@ BASE = {
 OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
            "packed": "data.packing=true train.seq_len=64",
+           "lora": "peft.method=lora peft.r=8 peft.alpha=16",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
 
@@ -69,6 +70,40 @@ def export_logit_diff(backend, model_dir: str, rank: int) -> float | None:
     return float((trained - reloaded).abs().max())
 
 
+def base_weights_diff(module: torch.nn.Module) -> float:
+    """Largest change of any frozen (LoRA base) parameter against the preset's initial weights."""
+    from shardtune.models.weights import RandomInitSource, shard_rows
+    from shardtune.peft.lora import base_name
+
+    source = RandomInitSource(0.02, seed=0)
+    worst = 0.0
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            continue
+        start, stop = shard_rows(p)
+        local = p.to_local() if isinstance(p, DTensor) else p
+        worst = max(worst, float((local.detach() - source.full(base_name(name), p.shape)[start:stop]).abs().max()))
+    return worst
+
+
+def adapter_logit_diff(backend, adapter_dir: str, rank: int) -> float | None:
+    """Logits of the trained model vs the base model + saved adapter, loaded with transformers + peft."""
+    ids = torch.randint(4, 264, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+    backend.train(False)
+    with torch.no_grad():
+        trained = backend.forward(batch).float()
+    if rank != 0:
+        return None
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(os.environ["SHARDTUNE_TEST_MODEL_DIR"], dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, adapter_dir)
+    with torch.no_grad():
+        return float((trained - loaded(input_ids=ids).logits).abs().max())
+
+
 def main() -> None:
     out, accum, variants = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     ctx = init_distributed()
@@ -80,12 +115,13 @@ def main() -> None:
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
         result = run_training(config_from_dict(BASE, overrides), ctx)
         summary, backend = result.summary, result.backend
-        results[variant] = {
-            "losses": summary["losses"],
-            "sharding": sharding_report(backend.module),
-            "export_logit_diff": export_logit_diff(backend, summary["model_dir"], ctx.rank),
-            "world": ctx.world,
-        }
+        results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
+                            "world": ctx.world}
+        if summary.get("adapter_dir"):
+            results[variant]["base_weights_diff"] = base_weights_diff(backend.module)
+            results[variant]["adapter_logit_diff"] = adapter_logit_diff(backend, summary["adapter_dir"], ctx.rank)
+        else:
+            results[variant]["export_logit_diff"] = export_logit_diff(backend, summary["model_dir"], ctx.rank)
     if ctx.is_main:
         (out / "results.json").write_text(json.dumps(results, indent=2))
     clean_exit(0)

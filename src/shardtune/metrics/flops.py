@@ -40,9 +40,16 @@ def matmul_params(n_params: int, hf_config: Any) -> int:
     return n_params - hf_config.vocab_size * hf_config.hidden_size
 
 
-def flops_per_token(n_matmul_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N + 12·L·h·s."""
-    return 6.0 * n_matmul_params + 12.0 * num_layers * hidden * seq_len
+def flops_per_token(n_matmul_params: int, num_layers: int, hidden: int, seq_len: int,
+                    trainable: int | None = None) -> float:
+    """Training FLOPs per token: 6·N + 12·L·h·s.
+
+    With frozen weights (LoRA), `n_matmul_params` are the frozen ones and `trainable` the adapters:
+    frozen weights cost forward + input gradient (4 per parameter) but no weight gradient, the
+    adapters the full 6."""
+    if trainable is None:
+        return 6.0 * n_matmul_params + 12.0 * num_layers * hidden * seq_len
+    return 4.0 * n_matmul_params + 6.0 * trainable + 12.0 * num_layers * hidden * seq_len
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from shardtune.data import Batch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Frozen parameters (a LoRA base) are re-read from the base model, never written to checkpoints.
+_STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Not strict about the frozen ones left out; DCP's load already failed if a saved key was missing.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 class FSDP2Backend:
@@ -140,11 +144,12 @@ class FSDP2Backend:
     # ---- checkpoint state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name (sharded DTensors under FSDP2), for DCP."""
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_STATE_OPTIONS)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_LOAD_OPTIONS)
 
     def extra_state(self) -> dict[str, Any]:
         """The JSON-able rest: LR schedule and loss scaler."""

@@ -27,6 +27,7 @@ from shardtune.models.tokenizer import load_tokenizer
 from shardtune.models.weights import make_source
 from shardtune.parallel import make_backend
 from shardtune.parallel.base import Backend
+from shardtune.peft.lora import LoraSource, apply_lora, save_adapter
 from shardtune.train.loss import exact_match, token_loss_sum
 
 
@@ -69,14 +70,22 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     stop = min(total_steps, t.stop_after_step or total_steps)
 
     model = build_on_meta(hf_config, cfg.model.attn_implementation)
+    base_model = model
+    source = make_source(cfg.model, hf_config, ctx.device)
+    if cfg.peft.method != "none":
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        model = apply_lora(model, cfg.peft, hf_config.model_type)
+        source = LoraSource(source, cfg.model.seed, shapes)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = decoder_blocks(model, hf_config.model_type)
     backend = make_backend(cfg.parallel, t.precision, ctx)
-    # Resuming: the checkpoint overwrites every parameter, so the initial weights are not read.
-    weights = None if resume else make_source(cfg.model, hf_config, ctx.device)
+    # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
+    # are not read. With LoRA the checkpoint holds only the adapters: the base is read again.
+    weights = None if resume and cfg.peft.method == "none" else source
     backend.setup(model, blocks, weights, cfg.optim, t.lr, total_steps)
-    ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_config(
-        model, hf_config, tokenizer, path, SAVE_DTYPES[save_dtype(cfg)]))
+    ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(
+        path, model, base_model, hf_config, tokenizer, SAVE_DTYPES[save_dtype(cfg)]))
     start_step = 0
     if resume:
         saved = ckpt.load(resume, backend)
@@ -84,11 +93,15 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         sampler.load_state_dict(saved["sampler"])
         start_step = sampler.position
 
-    fpt = flops_per_token(matmul_params(n_params, hf_config), hf_config.num_hidden_layers,
-                          hf_config.hidden_size, t.seq_len)
+    fpt = flops_per_token(matmul_params(n_params - n_trainable if cfg.peft.method != "none" else n_params,
+                                        hf_config), hf_config.num_hidden_layers, hf_config.hidden_size, t.seq_len,
+                          trainable=n_trainable if cfg.peft.method != "none" else None)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
     logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl,
                            resume_step=start_step)
+    if cfg.peft.method != "none":
+        logger.print(f"{cfg.peft.method}: {n_trainable / 1e6:,.2f}M trainable parameters "
+                     f"({n_trainable / n_params:.2%}), r={cfg.peft.r}, alpha={cfg.peft.alpha:g}")
     logger.print(f"shardtune: {hf_config.model_type} {n_params / 1e6:,.1f}M params, {cfg.parallel.strategy} on "
                  f"{ctx.world} x {ctx.device.type}, {total_steps} steps of {sampler.global_batch} sequences")
     logger.print(data_line(data))
@@ -130,7 +143,9 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     train_seconds = time.perf_counter() - start
     logger.close()
 
-    if cfg.checkpoint.save_final and finished:
+    if cfg.checkpoint.save_final and finished and cfg.peft.method != "none":
+        save_adapter(backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), tokenizer, ctx.rank)
+    elif cfg.checkpoint.save_final and finished:
         save_hf_model(backend.module, hf_config, tokenizer, out / "model", dtype=SAVE_DTYPES[save_dtype(cfg)],
                       max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank)
     summary = _summary(cfg, ctx, state, total_steps, train_seconds, n_params, out)
@@ -138,6 +153,13 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         logger.print(_done_line(state.step, total_steps, train_seconds, out, cfg))
     return TrainResult(summary, backend)
+
+
+def write_hf_dir(path: Path, model: Any, base_model: Any, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
+    """A checkpoint's hf/ folder: the base model's config and tokenizer (+ the adapter config for LoRA)."""
+    write_config(base_model, hf_config, tokenizer, path, dtype)
+    if model is not base_model:
+        model.peft_config["default"].save_pretrained(str(path))
 
 
 def save_dtype(cfg: Config) -> str:
@@ -148,7 +170,8 @@ def save_dtype(cfg: Config) -> str:
 def _done_line(step: int, total: int, seconds: float, out: Path, cfg: Config) -> str:
     if step < total:
         return f"stopped after step {step} of {total} ({seconds:.1f}s); continue with --resume auto"
-    where = f"; model in {out / 'model'}" if cfg.checkpoint.save_final else ""
+    kind = "adapter" if cfg.peft.method != "none" else "model"
+    where = f"; {kind} in {out / kind}" if cfg.checkpoint.save_final else ""
     return f"done: {total} steps in {seconds:.1f}s{where}"
 
 
@@ -293,5 +316,6 @@ def _summary(cfg: Config, ctx: DistContext, state: RunState, total_steps: int, s
         "precision": cfg.train.precision, "params": n_params, "train_seconds": seconds,
         "final_loss": last.get("loss"), "losses": [r["loss"] for r in state.history],
         "evals": state.evals, "output_dir": str(out),
-        "model_dir": str(out / "model") if cfg.checkpoint.save_final else None,
+        "model_dir": str(out / "model") if cfg.checkpoint.save_final and cfg.peft.method == "none" else None,
+        "adapter_dir": str(out / "adapter") if cfg.checkpoint.save_final and cfg.peft.method != "none" else None,
     }

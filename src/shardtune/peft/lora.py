@@ -1,0 +1,133 @@
+"""LoRA through PEFT, applied to the meta-device model before sharding.
+
+PEFT wraps the model (`base_model.model.` prefix, `.base_layer` in wrapped linears, adapter
+weights `lora_A.default` / `lora_B.default`) and freezes everything but the adapters. The
+functions here map those names back to the checkpoint's, initialise the adapters independent of
+world size, and write the adapter in PEFT's own format from a sharded model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtune.config import PeftConfig
+from shardtune.models.facts import ARCH_FACTS
+
+_PREFIX = "base_model.model."
+_LORA = re.compile(r"\.lora_(A|B|magnitude_vector)\.[^.]+(\.weight)?$")
+
+
+def lora_config(cfg: PeftConfig, model_type: str) -> Any:
+    """The peft.LoraConfig a run asks for; `auto` targets come from the architecture facts table."""
+    from peft import LoraConfig
+
+    targets: Any = cfg.target_modules
+    if targets == "auto":
+        facts = ARCH_FACTS.get(model_type)
+        targets = list(facts.lora_targets) if facts else "all-linear"
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                      use_dora=cfg.use_dora, bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model: nn.Module, cfg: PeftConfig, model_type: str) -> nn.Module:
+    """Wrap a (meta-device) causal LM with LoRA adapters; only the adapters stay trainable."""
+    from peft import get_peft_model
+
+    wrapped = get_peft_model(model, lora_config(cfg, model_type))
+    if not any(p.requires_grad for p in wrapped.parameters()):
+        raise RuntimeError("LoRA matched no module: nothing would train; check peft.target_modules")
+    return wrapped
+
+
+def base_name(name: str) -> str:
+    """A PEFT parameter name -> the name of the same tensor in the base model's checkpoint."""
+    if name.startswith(_PREFIX):
+        name = name[len(_PREFIX):]
+    return name.replace(".base_layer.", ".")
+
+
+def is_adapter(name: str) -> bool:
+    return _LORA.search(name) is not None
+
+
+class LoraSource:
+    """Weights for a LoRA-wrapped model: base tensors from the base source, adapters initialised as
+    PEFT does (A ~ kaiming_uniform(a=sqrt(5)), B = 0, DoRA magnitude = row norms of the base
+    weight), drawn from a generator seeded per name, so any world size starts from the same model."""
+
+    def __init__(self, base: Any, seed: int, shapes: dict[str, torch.Size]) -> None:
+        self.base, self.seed, self.shapes = base, seed, shapes  # shapes: base-model name -> full shape
+
+    def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
+        m = _LORA.search(name)
+        if m is None:
+            return self.base.rows(base_name(name), shape, start, stop)
+        kind = m.group(1)
+        if kind == "B":
+            return torch.zeros((stop - start, *shape[1:]))
+        if kind == "magnitude_vector":
+            weight_name = base_name(name[:m.start()]) + ".weight"
+            weight_shape = self.shapes[weight_name]
+            full = self.base.rows(weight_name, weight_shape, 0, weight_shape[0])
+            return full.float().norm(dim=1)[start:stop]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + _crc(name))
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)[start:stop]
+
+
+def _crc(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode())
+
+
+def adapter_state(model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+    """Collective: gather every adapter tensor in full; rank 0 gets PEFT's saved-format state
+    (adapter name stripped), the other ranks None."""
+    from torch.distributed.tensor import DTensor
+
+    full = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        t = param.detach()
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank == 0:
+            full[name] = t.to("cpu", torch.float32).contiguous()
+    if rank != 0:
+        return None
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, state_dict=full)
+
+
+def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int) -> None:
+    """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+
+    from shardtune.checkpoint.hf_export import replace_dir
+
+    state = adapter_state(model, rank)
+    if rank != 0:
+        return
+    if not state or not all(t.numel() for t in state.values()):
+        # The empty-adapter failure users hit with ZeRO-3 + PEFT (peft #2892): never write one.
+        raise RuntimeError(f"the adapter state is empty ({len(state or {})} tensors); refusing to save it")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = model.peft_config["default"]
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(tmp))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),
+                                                   "parameters": sum(t.numel() for t in state.values())}))
+    replace_dir(tmp, out_dir)
