@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
                    help="auto = fp32 for fp32 runs, else bf16")
     e.add_argument("--max-shard-size", default="5GB")
+    e.add_argument("--merge-lora", action="store_true",
+                   help="LoRA checkpoint: write the base model with the adapter merged in (else the adapter alone)")
     e.set_defaults(func=cmd_export)
     return p
 
@@ -144,7 +146,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         max_bytes = parse_size(args.max_shard_size)
     except ValueError as err:
         raise ShardtuneError(f"--max-shard-size: {err}") from None
-    out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_bytes=max_bytes)
+    out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_bytes=max_bytes,
+                            merge_lora=args.merge_lora)
     print(f"wrote {out}")
     return 0
 

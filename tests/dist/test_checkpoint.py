@@ -198,3 +198,33 @@ def test_export_round_trip_through_transformers(tmp_path, cache):
     bf16 = tmp_path / "bf16"
     assert shardtune("export", str(out / "checkpoints" / "step-00000008"), str(bf16), "--dtype", "bf16").returncode == 0
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.models.init_model import init_model
+
+    base_dir = init_model(tmp_path / "base", "tiny-llama")
+    lora = ["peft.method=lora", "peft.r=8", "peft.alpha=16", "model.preset=null", f"model.path={base_dir}"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    train(ref, cache, *lora)
+    train(out, cache, *lora, "train.stop_after_step=4")
+    ckpt = resolve_checkpoint(str(out))
+    assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < 3_000_000  # adapter + optimizer only
+    train(out, cache, *lora, "--resume")
+    assert max(abs(losses(out)[s] - losses(ref)[s]) for s in losses(ref)) <= 1e-6
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    trained = PeftModel.from_pretrained(base, out / "adapter")
+    ids = torch.arange(4, 60).view(2, -1)
+    expected = trained(input_ids=ids).logits
+    adapter = tmp_path / "adapter"
+    assert shardtune("export", str(out), str(adapter)).returncode == 0
+    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter)
+    assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
+    merged = tmp_path / "merged"
+    proc = shardtune("export", str(out), str(merged), "--merge-lora", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr
+    assert torch.allclose(AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits, expected, atol=1e-4)

@@ -7,6 +7,9 @@ never the model. No process group is needed.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -41,8 +44,9 @@ def read_tensor(path: Path, key: str, meta: Any) -> torch.Tensor:
 
 
 def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "auto",
-                      max_shard_bytes: int = 5 * 10**9) -> Path:
-    """Write checkpoint (a step directory, or a run directory: its newest checkpoint) as an HF directory."""
+                      max_shard_bytes: int = 5 * 10**9, merge_lora: bool = False) -> Path:
+    """Write checkpoint (a step directory, or a run directory: its newest checkpoint) as an HF model
+    directory; a LoRA checkpoint as a PEFT adapter directory, or with merge_lora as a merged model."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_checkpoint(checkpoint)
@@ -50,12 +54,19 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
     hf_dir = path / "hf"
     if not (hf_dir / "config.json").is_file():
         raise ShardtuneError(f"{path}: no hf/config.json in the checkpoint; it was not written by shardtune")
+    lora = (hf_dir / "adapter_config.json").is_file()
+    if merge_lora and not lora:
+        raise ShardtuneError(f"--merge-lora: {path} is a full fine-tuning checkpoint (no LoRA adapter)")
+    if lora and not merge_lora:
+        return export_adapter(path, Path(out_dir))
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     if dtype == "auto":
         precision = read_trainer_state(path).get("config", {}).get("train", {}).get("precision", "bf16")
         dtype = "fp32" if precision == "fp32" else "bf16"
     target = SAVE_DTYPES[dtype]
+    if lora:
+        return export_merged(path, Path(out_dir), hf_config, tokenizer, target, max_shard_bytes)
     tensors = model_tensors(path)
     if getattr(hf_config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied to the input embedding: saved once, as transformers does
@@ -81,3 +92,63 @@ def _numel(meta: Any) -> int:
     for d in meta.size:
         n *= d
     return n
+
+
+_ADAPTER_NAME = re.compile(r"\.default(?=\.weight$|$)")
+
+
+def export_adapter(path: Path, out: Path) -> Path:
+    """A LoRA checkpoint -> a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+
+    tensors = model_tensors(path)
+    state = {_ADAPTER_NAME.sub("", name): read_tensor(path, MODEL_PREFIX + name, meta).float().contiguous()
+             for name, meta in tensors.items()}
+    if not state:
+        raise ShardtuneError(f"{path}: the checkpoint holds no adapter tensors")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    for f in (path / "hf").iterdir():
+        if f.name.startswith(("adapter_config", "tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, tmp / f.name)
+    replace_dir(tmp, out)
+    return out
+
+
+def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target: torch.dtype,
+                  max_shard_bytes: int) -> Path:
+    """Base weights (re-read from the run's model.path or preset) + scale * B @ A, tensor by tensor."""
+    from shardtune.config import ModelConfig
+    from shardtune.models.build import build_on_meta
+    from shardtune.models.weights import make_source
+
+    adapter = json.loads((path / "hf" / "adapter_config.json").read_text())
+    if adapter.get("use_dora"):
+        raise ShardtuneError("--merge-lora: DoRA adapters are not merged here; export the adapter and use "
+                             "peft's merge_and_unload()")
+    r = adapter["r"]
+    scale = adapter["lora_alpha"] / (math.sqrt(r) if adapter.get("use_rslora") else r)
+    run = read_trainer_state(path).get("config", {}).get("model", {})
+    source = make_source(ModelConfig(**run), hf_config, torch.device("cpu"))
+    params = dict(build_on_meta(hf_config).named_parameters())
+    lora = model_tensors(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    def fetch(name: str) -> torch.Tensor:
+        weight = source.rows(name, params[name].shape, 0, params[name].shape[0]).float()
+        module = name.rsplit(".", 1)[0]
+        a_key, b_key = (f"base_model.model.{module}.lora_{x}.default.weight" for x in "AB")
+        if a_key in lora:
+            a = read_tensor(path, MODEL_PREFIX + a_key, lora[a_key]).float()
+            b = read_tensor(path, MODEL_PREFIX + b_key, lora[b_key]).float()
+            weight = weight + scale * (b @ a)
+        return weight.to(target)
+
+    write_safetensors(tmp, [(n, p.numel() * target.itemsize) for n, p in params.items()], fetch, max_shard_bytes)
+    write_config(hf_config.architectures[0] if hf_config.architectures else None, hf_config, tokenizer, tmp, target)
+    replace_dir(tmp, out)
+    return out
