@@ -29,6 +29,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     for key, path in paths:
         if path is not None and not Path(path).exists():
             raise ShardtuneError(f"{key}: {path!r} does not exist; give a data file or folder")
+    check_combination(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     check_vocab(tokenizer, hf_config)
     if cfg.checkpoint.resume not in (None, "auto"):
@@ -46,6 +47,13 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         return cfg
     _report(cfg, hf_config, tokenizer, world)
     return cfg
+
+
+def check_combination(cfg: Config) -> None:
+    """Settings that cannot work together, refused before any process starts."""
+    if cfg.peft.method == "qlora":
+        raise ShardtuneError("peft.method: qlora (NF4 base weights) is not available in this version yet; "
+                             "use peft.method=lora")
 
 
 def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:

@@ -29,6 +29,7 @@ from shardtune.parallel import make_backend
 from shardtune.parallel.base import Backend
 from shardtune.peft.lora import LoraSource, apply_lora, save_adapter
 from shardtune.train.loss import exact_match, token_loss_sum
+from shardtune.validate import check_combination
 
 
 @dataclass
@@ -63,6 +64,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model)
     check_vocab(tokenizer, hf_config)
+    check_combination(cfg)
     t = cfg.train
     data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=ctx.local_rank == 0)
     sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
