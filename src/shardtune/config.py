@@ -128,7 +128,8 @@ class ParallelConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["adamw"] = "adamw"
+    name: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw, or adamw8bit (torchao: 8-bit "
+                                                                     "states, ~2 instead of 8 bytes per parameter).")
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)

@@ -51,9 +51,18 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
 def check_combination(cfg: Config) -> None:
     """Settings that cannot work together, refused before any process starts."""
-    if cfg.peft.method == "qlora":
-        raise ShardtuneError("peft.method: qlora (NF4 base weights) is not available in this version yet; "
-                             "use peft.method=lora")
+    from shardtune.peft.optim8bit import adamw8bit_available
+    from shardtune.peft.qlora import nf4_available
+
+    if cfg.peft.method == "qlora" and not nf4_available():
+        raise ShardtuneError("peft.method: qlora needs torchao (NF4 weights that FSDP2 can shard); "
+                             "pip install 'shardtune[qlora]'")
+    if cfg.peft.method == "qlora" and cfg.peft.use_dora:
+        raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
+                             "offer here; use peft.method=lora with DoRA, or qlora without it")
+    if cfg.optim.name == "adamw8bit" and not adamw8bit_available():
+        raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
+                             "pip install 'shardtune[qlora]'")
 
 
 def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:

@@ -31,14 +31,17 @@ def results(tmp_path_factory):
     assert (model_dir / "model.safetensors.index.json").is_file()
     os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(model_dir)
     try:
-        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora"])
-        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, *LOW])
+        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit"])
+        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, *LOW, "zero3:qlora", "zero3:adamw8bit"])
     finally:
         os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
     refs = json.loads((tmp / "ref" / "results.json").read_text())
     two = json.loads((tmp / "two" / "results.json").read_text())
     two["_ref_packed"] = refs["ddp:packed"]
     two["_ref_lora"] = refs["ddp:lora"]
+    two["_ref_qlora"] = refs["ddp:qlora"]
+    two["_ref_adamw8bit"] = refs["ddp:adamw8bit"]
+    two["_ref_full"] = refs["ddp"]
     return refs["ddp"], two
 
 
@@ -103,3 +106,19 @@ def test_lora_matches_single_process_lora_and_saves_a_loadable_adapter(results, 
     assert ref["losses"][-1] < ref["losses"][0]
     assert two[variant]["base_weights_diff"] == 0.0  # the base never changes, to the bit
     assert two[variant]["adapter_logit_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = trained
+
+
+def test_qlora_zero3_matches_single_process_qlora(results):
+    # NF4 codes are the same however the weight is sharded (quantised with the whole weight's mean),
+    # so sharded QLoRA follows the one-process QLoRA trajectory; close to bf16-free LoRA too.
+    two = results[1]
+    assert _max_diff(two["_ref_qlora"]["losses"], two["zero3:qlora"]["losses"]) < 1e-5
+    assert _max_diff(two["_ref_lora"]["losses"], two["zero3:qlora"]["losses"]) < 3e-2
+    assert two["zero3:qlora"]["adapter_tensors"] == 2 * 7 * 4  # A and B for 7 projections x 4 layers
+    assert two["zero3:qlora"]["adapter_nonzero_b"] == 7 * 4  # every B trained away from its zero init
+
+
+def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):
+    two = results[1]
+    assert _max_diff(two["_ref_adamw8bit"]["losses"], two["zero3:adamw8bit"]["losses"]) < 2e-2
+    assert _max_diff(two["_ref_full"]["losses"], two["zero3:adamw8bit"]["losses"]) < 5e-2

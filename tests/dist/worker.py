@@ -39,6 +39,8 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
            "packed": "data.packing=true train.seq_len=64",
            "lora": "peft.method=lora peft.r=8 peft.alpha=16",
+           "qlora": "peft.method=qlora peft.r=8 peft.alpha=16",
+           "adamw8bit": "optim.name=adamw8bit",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
 
@@ -117,7 +119,15 @@ def main() -> None:
         summary, backend = result.summary, result.backend
         results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
                             "world": ctx.world}
-        if summary.get("adapter_dir"):
+        if "qlora" in opts:
+            if ctx.is_main:  # the adapter file exists on rank 0 once save_adapter returns there
+                from safetensors.torch import load_file
+
+                adapter = load_file(Path(summary["adapter_dir"]) / "adapter_model.safetensors")
+                results[variant]["adapter_tensors"] = len(adapter)
+                results[variant]["adapter_nonzero_b"] = sum(int(t.abs().sum() > 0) for k, t in adapter.items()
+                                                            if "lora_B" in k)
+        elif summary.get("adapter_dir"):
             results[variant]["base_weights_diff"] = base_weights_diff(backend.module)
             results[variant]["adapter_logit_diff"] = adapter_logit_diff(backend, summary["adapter_dir"], ctx.rank)
         else:

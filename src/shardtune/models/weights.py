@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.errors import ShardtuneError
 from shardtune.models.build import assert_no_meta, restore_buffers
+from shardtune.peft.qlora import is_nf4, load_nf4_rows, nf4_unmaterialised
 
 
 class WeightSource(Protocol):
@@ -122,8 +123,15 @@ def load_weights(model: nn.Module, source: WeightSource | None, device: torch.de
         start, stop = shard_rows(param)
         if param.dim() and local.shape[0] != stop - start:
             raise AssertionError(f"{name}: local shard has {local.shape[0]} rows, expected {stop - start}")
-        local.copy_(source.rows(name, param.shape, start, stop))
+        rows = source.rows(name, param.shape, start, stop)
+        if is_nf4(param):
+            load_nf4_rows(param, rows)  # collective: quantizes this rank's rows with the whole weight's mean
+        else:
+            local.copy_(rows)
     assert_no_meta(model)
+    left = nf4_unmaterialised(model)
+    if left:
+        raise RuntimeError(f"{len(left)} NF4 weights were not loaded, e.g. {left[:3]}")
 
 
 

@@ -26,6 +26,7 @@ from shardtune.config import OptimConfig, ParallelConfig
 from shardtune.dist import DistContext
 from shardtune.models.attention import model_inputs
 from shardtune.models.weights import WeightSource, load_weights
+from shardtune.peft.qlora import is_nf4
 from shardtune.train.loss import token_loss_sum
 from shardtune.train.optim import build_optimizer, build_scheduler
 
@@ -61,7 +62,8 @@ class FSDP2Backend:
         if self.parallel.compile:
             for block in blocks:
                 block.compile()
-        if self.parallel.strategy == "ddp":
+        # One process has nothing to shard; torchao's NF4 all-gather also fails on a mesh of one.
+        if self.parallel.strategy == "ddp" or (self.ctx.world == 1 and any(is_nf4(p) for p in model.parameters())):
             self._setup_ddp(model, weights)
         else:
             self._setup_fsdp(model, blocks, weights)
@@ -75,7 +77,9 @@ class FSDP2Backend:
         load_weights(model, weights, self.ctx.device)
         self.module = model
         ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        self.model = DistributedDataParallel(model, device_ids=ids)
+        # Every rank loaded the same weights already; DDP's start-up broadcast would only cost time,
+        # and it corrupts NF4 (QLoRA) parameters, whose data is not one flat tensor.
+        self.model = DistributedDataParallel(model, device_ids=ids, init_sync=False)
 
     def _setup_fsdp(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None) -> None:
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world,), mesh_dim_names=("fsdp",))
@@ -153,8 +157,8 @@ class FSDP2Backend:
 
     def extra_state(self) -> dict[str, Any]:
         """The JSON-able rest: LR schedule and loss scaler."""
-        return {"scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return _jsonable({"scheduler": self.scheduler.state_dict(),
+                          "scaler": self.scaler.state_dict() if self.scaler is not None else None})
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
@@ -163,7 +167,7 @@ class FSDP2Backend:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return float(self.optimizer.param_groups[0]["lr"])  # a tensor for torchao's AdamW8bit
 
     def train(self, mode: bool = True) -> None:
         """Switch train/eval mode. Back in training, reshard what an eval forward left gathered
@@ -186,3 +190,14 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def _jsonable(obj: Any) -> Any:
+    """Scalars held as tensors (a tensor learning rate, as torchao's AdamW8bit keeps) -> Python numbers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj

@@ -4,6 +4,7 @@ model source and data are the pieces plugged in."""
 from __future__ import annotations
 
 import json
+import math
 import resource
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from shardtune.models.weights import make_source
 from shardtune.parallel import make_backend
 from shardtune.parallel.base import Backend
 from shardtune.peft.lora import LoraSource, apply_lora, save_adapter
+from shardtune.peft.qlora import quantize_to_nf4
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.validate import check_combination
 
@@ -78,6 +80,12 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         shapes = {name: p.shape for name, p in model.named_parameters()}
         model = apply_lora(model, cfg.peft, hf_config.model_type)
         source = LoraSource(source, cfg.model.seed, shapes)
+        if cfg.peft.method == "qlora":
+            # Before sharding: FSDP2 picks NF4's own all-gather when fully_shard sees the parameter.
+            # Scaler blocks are sized for lcm(world, 8) shards, so 1, 2, 4 or 8 processes (and any
+            # resume among them) quantize the base identically.
+            world = 1 if cfg.parallel.strategy == "ddp" else ctx.world
+            quantize_to_nf4(model, lambda name: name.endswith(".base_layer"), shard_world=math.lcm(world, 8))
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = decoder_blocks(model, hf_config.model_type)

@@ -20,6 +20,10 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], optim: Opt
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if optim.name == "adamw8bit":
+        from shardtune.peft.optim8bit import build_adamw8bit
+
+        return build_adamw8bit(groups, lr, optim.betas, optim.eps, optim.weight_decay)
     fused = device.type == "cuda" if optim.fused == "auto" else bool(optim.fused)
     return torch.optim.AdamW(groups, lr=lr, betas=optim.betas, eps=optim.eps, fused=fused)
 
