@@ -228,3 +228,24 @@ def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache):
     proc = shardtune("export", str(out), str(merged), "--merge-lora", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr
     assert torch.allclose(AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits, expected, atol=1e-4)
+
+
+def test_qlora_adapter_and_merged_export_equal_the_4bit_model(tmp_path, cache):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.models.init_model import init_model
+    from shardtune.peft.qlora import quantize_to_nf4
+
+    base_dir = init_model(tmp_path / "base", "tiny-llama")
+    out = tmp_path / "run"
+    train(out, cache, "peft.method=qlora", "peft.r=8", "model.preset=null", f"model.path={base_dir}")
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter")
+    quantize_to_nf4(trained, lambda n: n.endswith(".base_layer"), shard_world=8)  # what training saw
+    merged = tmp_path / "merged"
+    proc = shardtune("export", str(out), str(merged), "--merge-lora", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids = torch.arange(4, 60).view(2, -1)
+    with torch.no_grad():
+        diff = (AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits - trained(input_ids=ids).logits)
+    assert diff.abs().max() < 1e-4

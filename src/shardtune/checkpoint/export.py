@@ -130,8 +130,10 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
                              "peft's merge_and_unload()")
     r = adapter["r"]
     scale = adapter["lora_alpha"] / (math.sqrt(r) if adapter.get("use_rslora") else r)
-    run = read_trainer_state(path).get("config", {}).get("model", {})
-    source = make_source(ModelConfig(**run), hf_config, torch.device("cpu"))
+    trainer = read_trainer_state(path)
+    run = trainer.get("config", {})
+    source = make_source(ModelConfig(**run.get("model", {})), hf_config, torch.device("cpu"))
+    dequantize = _nf4_round_trip(run, trainer) if run.get("peft", {}).get("method") == "qlora" else None
     params = dict(build_on_meta(hf_config).named_parameters())
     lora = model_tensors(path)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -143,6 +145,8 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
         module = name.rsplit(".", 1)[0]
         a_key, b_key = (f"base_model.model.{module}.lora_{x}.default.weight" for x in "AB")
         if a_key in lora:
+            if dequantize is not None:  # QLoRA trained against the 4-bit weight: merge into that
+                weight = dequantize(weight)
             a = read_tensor(path, MODEL_PREFIX + a_key, lora[a_key]).float()
             b = read_tensor(path, MODEL_PREFIX + b_key, lora[b_key]).float()
             weight = weight + scale * (b @ a)
@@ -152,3 +156,17 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
     write_config(hf_config.architectures[0] if hf_config.architectures else None, hf_config, tokenizer, tmp, target)
     replace_dir(tmp, out)
     return out
+
+
+def _nf4_round_trip(run: dict[str, Any], trainer: dict[str, Any]) -> Any:
+    """The NF4 quantise-dequantise the QLoRA run applied to each base weight (same block sizes)."""
+    from shardtune.peft.qlora import _nf4_api, nf4_scaler_block_size
+
+    _, to_nf4 = _nf4_api()
+    world = 1 if run.get("parallel", {}).get("strategy") == "ddp" else int(trainer.get("world_size", 1))
+
+    def round_trip(weight: torch.Tensor) -> torch.Tensor:
+        sbs = nf4_scaler_block_size(weight.shape, math.lcm(world, 8))
+        return weight if sbs is None else to_nf4(weight.contiguous(), 64, sbs).get_original_weight().float()
+
+    return round_trip
