@@ -1,0 +1,111 @@
+"""Reference point for LoRA / QLoRA: Hugging Face Trainer + PEFT (+ bitsandbytes NF4 for QLoRA).
+
+    torchrun --nproc_per_node=N bench/hf_peft_baseline.py --mode lora|qlora --size 8b [--steps 20]
+
+Random-init Llama shape, random token ids, LoRA r=16 on every linear layer of the blocks, seq 2048,
+micro-batch 2, gradient checkpointing, bf16: the recipe most users start from (HF + PEFT docs).
+Prints one line `RESULT {json}` on rank 0 (tokens/s per GPU: median step; peak memory: max over ranks).
+QLoRA needs bitsandbytes and a GPU; with several GPUs it runs data-parallel (each GPU holds the
+whole 4-bit model: bitsandbytes' 4-bit weights cannot be sharded by FSDP2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build(args: argparse.Namespace):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    cfg = LlamaConfig(**SIZES[args.size], max_position_embeddings=max(4096, args.seq))
+    gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if gpu else torch.float32
+    if args.mode == "qlora":
+        # bitsandbytes quantizes at load time; a random-init model is saved once and loaded quantized.
+        path = f"/tmp/hf_peft_{args.size}"
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(path):
+            AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(path)
+        if dist.is_initialized():
+            dist.barrier()
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=dtype,
+                                                     device_map={"": int(os.environ.get("LOCAL_RANK", 0))})
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    return cfg, get_peft_model(model, lora)
+
+
+def main() -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=["lora", "qlora"], default="lora")
+    ap.add_argument("--size", choices=list(SIZES), default="8b")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args()
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cfg, model = build(args)
+    gpu = torch.cuda.is_available()
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, s, c, **kw):
+            if gpu:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, s, c, **kw):
+            if gpu:
+                torch.cuda.synchronize()
+            if s.global_step > args.warmup:
+                times.append(time.perf_counter() - self.t0)
+
+    targs = TrainingArguments(output_dir=f"/tmp/hf_peft_out_{args.mode}", per_device_train_batch_size=args.mbs,
+                              max_steps=args.steps, learning_rate=1e-4, bf16=gpu, logging_steps=10**6,
+                              save_strategy="no", report_to=[], dataloader_num_workers=0, disable_tqdm=True,
+                              gradient_checkpointing=True, use_cpu=not gpu,
+                              gradient_checkpointing_kwargs={"use_reentrant": False})
+    world = targs.world_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (args.mbs * world * (args.steps + 1), args.seq), generator=g)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    Trainer(model=model, args=targs, train_dataset=data, callbacks=[Timer()]).train()
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
+                         torch.cuda.max_memory_reserved() / 2**30 if gpu else 0.0], device="cuda" if gpu else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    med = sorted(times)[len(times) // 2] if times else float("nan")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print("RESULT " + json.dumps({"mode": f"hf_peft_{args.mode}", "size": args.size, "world": world,
+                                      "seq": args.seq, "mbs": args.mbs, "step_s_median": round(med, 4),
+                                      "tokens_per_s_per_gpu": round(args.mbs * args.seq / med),
+                                      "peak_alloc_gib": round(float(peak[0]), 2),
+                                      "peak_reserved_gib": round(float(peak[1]), 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

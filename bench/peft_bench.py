@@ -1,0 +1,104 @@
+"""LoRA / QLoRA throughput and memory: shardtune vs Hugging Face Trainer + PEFT (+ bitsandbytes).
+
+    python bench/peft_bench.py --size 8b --runs lora:1,qlora:1,lora:2,qlora:2 --baselines lora:1,qlora:1
+    python bench/peft_bench.py --size tiny --runs lora:2,qlora:2 --baselines lora:1     # CPU plumbing
+
+A run is METHOD:NPROC. shardtune: the preset of --size, long random text (full rows), seq 2048,
+micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
+Baselines: bench/hf_peft_baseline.py (HF Trainer + PEFT, gradient checkpointing; QLoRA through
+bitsandbytes NF4 + double quantisation). Prints a table last; ratios are against the baseline of
+the same method and GPU count measured in the same call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf16"),
+           "8b": ("llama-3-8b", 2048, "bf16"), "70b": ("llama-3-70b", 2048, "bf16")}
+
+
+def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int) -> dict:
+    preset, seq, prec = PRESETS[size]
+    run_dir = out / f"st_{method}_{nproc}"
+    cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
+           f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
+           f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}", "log.every=2",
+           "log.progress=false", "checkpoint.save_final=false", "checkpoint.at_end=false",
+           "parallel.strategy=zero3", "parallel.activation_checkpointing=full", f"peft.method={method}",
+           "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    (out / f"st_{method}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    result = {"who": "shardtune", "method": method, "nproc": nproc, "rc": proc.returncode}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"loss"' in x][2:]
+        if recs:
+            result.update(tokens_per_s_per_gpu=statistics.median(r["tokens_per_sec_per_device"] for r in recs),
+                          peak_alloc_gib=max(r["peak_mem_gib"] for r in recs),
+                          peak_reserved_gib=max(r["peak_reserved_gib"] for r in recs))
+    return result
+
+
+def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs: int) -> dict:
+    seq = PRESETS[size][1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "bench" / "hf_peft_baseline.py"), "--mode", method, "--size", size, "--seq", str(seq),
+           "--mbs", str(mbs), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    (out / f"hf_{method}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    result = {"who": "hf_peft", "method": method, "nproc": nproc, "rc": proc.returncode}
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if lines:
+        r = json.loads(lines[-1][len("RESULT "):])
+        result.update(tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], peak_alloc_gib=r["peak_alloc_gib"],
+                      peak_reserved_gib=r["peak_reserved_gib"])
+    return result
+
+
+def _pairs(spec: str) -> list[tuple[str, int]]:
+    return [(m, int(n)) for m, n in (x.split(":") for x in spec.split(",") if x)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=PRESETS, default="tiny")
+    ap.add_argument("--runs", default="lora:1,qlora:1")
+    ap.add_argument("--baselines", default="lora:1,qlora:1")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/shardtune_peft")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "long.jsonl"
+    seq = PRESETS[args.size][1]
+    subprocess.run([sys.executable, str(ROOT / "bench" / "make_long_text.py"), str(data), "--n", "256",
+                    "--chars", str(seq + seq // 8 + 32), "--min-tokens", str(seq)], check=True, capture_output=True)
+    results = []
+    for method, n in _pairs(args.baselines):
+        results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs))
+        print(json.dumps(results[-1]), flush=True)
+    for method, n in _pairs(args.runs):
+        results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs))
+        print(json.dumps(results[-1]), flush=True)
+    (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    base = {(r["method"], r["nproc"]): r.get("tokens_per_s_per_gpu") for r in results if r["who"] == "hf_peft"}
+    print(f"\n{args.size}: seq {seq}, micro-batch {args.mbs}, activation checkpointing, LoRA r=16 on all projections")
+    print("| who | method | GPUs | rc | tokens/s/GPU | vs HF+PEFT | peak alloc GiB | peak reserved GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        tps, ref = r.get("tokens_per_s_per_gpu"), base.get((r["method"], r["nproc"]))
+        ratio = f"{tps / ref:.2f}" if tps and ref else "-"
+        print(f"| {r['who']} | {r['method']} | {r['nproc']} | {r['rc']} | {tps or 0:,.0f} | {ratio} | "
+              f"{r.get('peak_alloc_gib', 0):.1f} | {r.get('peak_reserved_gib', 0):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
