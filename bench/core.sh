@@ -9,8 +9,9 @@
 # Knobs (environment):
 #   OUT        folder for what comes back (default /tmp/bench_out; on the device $OUT is set)
 #   SIZE       1b (llama-3.2-1b, mbs 4) | 8b (llama-3-8b, mbs 2) | tiny (tiny-llama, CPU-sized)
-#   VARIANTS   shardtune runs, each (ddp|zero2|zero3)[c][_ac]: c = parallel.compile=true,
-#              _ac = activation checkpointing. Default "zero2 zero3 zero2c zero3c" (CPU: "zero2 zero3")
+#   VARIANTS   shardtune runs, each (ddp|zero1|zero2|zero3)[c][_ac][_ds][_oo|_op]: c = parallel.compile=true,
+#              _ac = activation checkpointing, _ds = parallel.backend=deepspeed, _oo / _op = DeepSpeed
+#              offload of optimizer states / of parameters too. Default "zero2 zero3 zero2c zero3c" (CPU: "zero2 zero3")
 #   BASELINES  hf_baseline.py modes: hf_ds2 hf_ds3 hf_fsdp fsdp2 fsdp2c hf_mismatch.
 #              Default "hf_ds2 fsdp2c" on GPU, none on CPU. REF (default hf_ds2) runs first.
 #   STEPS      shardtune train.max_steps (default 40; tiny 12)   WARMUP  records with step <= this are
@@ -149,13 +150,16 @@ run_one() {  # name kind metrics_path cmd...
 }
 
 run_variant() {
-  local v=$1 strat comp=false ac=none
-  if [[ "$v" =~ ^(ddp|zero2|zero3)(c?)(_ac)?$ ]]; then
+  local v=$1 strat comp=false ac=none backend=fsdp2 offload=none
+  if [[ "$v" =~ ^(ddp|zero1|zero2|zero3)(c?)(_ac)?(_ds)?(_oo|_op)?$ ]]; then
     strat=${BASH_REMATCH[1]}
     [ -n "${BASH_REMATCH[2]}" ] && comp=true
     [ -n "${BASH_REMATCH[3]}" ] && ac=full
+    [ -n "${BASH_REMATCH[4]}" ] && backend=deepspeed
+    [ "${BASH_REMATCH[5]}" = _oo ] && offload=optimizer
+    [ "${BASH_REMATCH[5]}" = _op ] && offload=params
   else
-    echo "== $v: unknown variant (use zero2, zero3, ddp, with optional c and _ac: zero3c_ac)"
+    echo "== $v: unknown variant (use ddp, zero1, zero2, zero3 + optional c, _ac, _ds, _oo|_op: zero3_ds_oo)"
     echo "unknown variant $v" > "$W/$v.log"
     printf '%s\tshardtune\t2\t0\t%s\t\n' "$v" "$W/$v.log" >> "$MAN"
     return
@@ -166,6 +170,7 @@ run_variant() {
     python3 -m shardtune train bench/bench.yaml --nproc "$N" \
       model.preset="$PRESET" data.train_file="$W/long.jsonl" data.eval_fraction=0 \
       parallel.strategy="$strat" parallel.compile="$comp" parallel.activation_checkpointing="$ac" \
+      parallel.backend="$backend" parallel.offload="$offload" \
       train.precision="$PREC" train.seq_len="$SEQ" train.micro_batch_size="$MBS" train.grad_accum=1 \
       train.max_steps="$STEPS" train.output_dir="$W/$v" \
       log.every="$EVERY" log.progress=false log.jsonl=true checkpoint.save_final=false $EXTRA

@@ -33,7 +33,7 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
            "log.progress=false", "checkpoint.save_final=false", "checkpoint.at_end=false",
            "parallel.strategy=zero3", "parallel.activation_checkpointing=full", f"peft.method={method}",
            "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = _run(cmd)
     (out / f"st_{method}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     result = {"who": "shardtune", "method": method, "nproc": nproc, "rc": proc.returncode}
     metrics = run_dir / "metrics.jsonl"
@@ -51,7 +51,7 @@ def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "bench" / "hf_peft_baseline.py"), "--mode", method, "--size", size, "--seq", str(seq),
            "--mbs", str(mbs), "--steps", str(steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = _run(cmd)
     (out / f"hf_{method}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     result = {"who": "hf_peft", "method": method, "nproc": nproc, "rc": proc.returncode}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -60,6 +60,19 @@ def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs:
         result.update(tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], peak_alloc_gib=r["peak_alloc_gib"],
                       peak_reserved_gib=r["peak_reserved_gib"])
     return result
+
+
+TIMEOUT = 300.0  # per run (--timeout): a stuck run is recorded as rc 124 and the rest go on
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as err:
+        def text(b: bytes | str | None) -> str:
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+        return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + "\nTIMEOUT")
 
 
 def _pairs(spec: str) -> list[tuple[str, int]]:
@@ -74,7 +87,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--out", default="/tmp/shardtune_peft")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per run")
+    ap.add_argument("--first", choices=["shardtune", "baselines"], default="shardtune")
     args = ap.parse_args()
+    globals()["TIMEOUT"] = args.timeout
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = out / "long.jsonl"
@@ -82,13 +98,18 @@ def main() -> None:
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_long_text.py"), str(data), "--n", "256",
                     "--chars", str(seq + seq // 8 + 32), "--min-tokens", str(seq)], check=True, capture_output=True)
     results = []
-    for method, n in _pairs(args.baselines):
-        results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs))
+    jobs = ([("baseline", m, n) for m, n in _pairs(args.baselines)] +
+            [("shardtune", m, n) for m, n in _pairs(args.runs)])
+    if args.first == "shardtune":
+        jobs.sort(key=lambda j: j[0] != "shardtune")
+    for who, method, n in jobs:
+        if who == "baseline":
+            results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs))
+        else:
+            results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs))
         print(json.dumps(results[-1]), flush=True)
-    for method, n in _pairs(args.runs):
-        results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs))
-        print(json.dumps(results[-1]), flush=True)
-    (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+        # Written after every run: a call that runs out of time still leaves what it measured.
+        (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     base = {(r["method"], r["nproc"]): r.get("tokens_per_s_per_gpu") for r in results if r["who"] == "hf_peft"}
     print(f"\n{args.size}: seq {seq}, micro-batch {args.mbs}, activation checkpointing, LoRA r=16 on all projections")
     print("| who | method | GPUs | rc | tokens/s/GPU | vs HF+PEFT | peak alloc GiB | peak reserved GiB |")

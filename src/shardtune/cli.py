@@ -1,4 +1,4 @@
-"""`shardtune` command line: train | validate | init-model.
+"""`shardtune` command line: train | validate | plan | init-model | export.
 
 Bad input exits with code 2 and one line saying what is wrong and how to fix it.
 """
@@ -12,6 +12,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # shardtune never downloads at run time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -53,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--nproc", type=_nproc, default=None)
     v.set_defaults(func=cmd_validate)
 
+    pl = sub.add_parser("plan", help="how a config will be sharded; --emit a DeepSpeed (HF Trainer) or "
+                                     "accelerate config")
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--nproc", type=_nproc, default=None, help="processes on this node (int or auto)")
+    pl.add_argument("--emit", default=None, metavar="deepspeed|accelerate",
+                    help="print a DeepSpeed JSON for transformers.TrainingArguments(deepspeed=...), or an "
+                         "`accelerate launch --config_file` YAML, to stdout (hints go to stderr)")
+    pl.set_defaults(func=cmd_plan)
+
     m = sub.add_parser("init-model", help="write a random-init Hugging Face model directory for a preset")
     m.add_argument("out_dir")
     m.add_argument("--preset", required=True)
@@ -93,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _worker(args.config, _overrides(args))
     from shardtune.validate import validate
 
-    cfg = validate(args.config, _overrides(args), quiet=True)
+    cfg = validate(args.config, _overrides(args), nproc_flag=args.nproc, quiet=True)
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
     worker_args = ["train", args.config, *_overrides(args)]
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
@@ -128,6 +139,111 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     validate(args.config, list(args.overrides), nproc_flag=args.nproc)
     return 0
+
+
+EMITS = ("deepspeed", "accelerate")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`shardtune plan`: the resolved strategy (config and model checks only; no data, no processes)."""
+    from shardtune.config import load_config
+    from shardtune.launch import resolve_nproc
+    from shardtune.models.build import load_hf_config
+    from shardtune.validate import check_combination
+
+    if args.emit is not None and args.emit not in EMITS:
+        raise ShardtuneError(f"--emit {args.emit!r}: choose one of {', '.join(EMITS)}")
+    cfg = load_config(args.config, list(args.overrides))
+    hf_config = load_hf_config(cfg.model)
+    world = resolve_nproc(args.nproc, cfg.parallel.nproc)
+    check_combination(cfg, world)
+    if args.emit == "deepspeed":
+        _emit_deepspeed(cfg, world)
+    elif args.emit == "accelerate":
+        _emit_accelerate(cfg, hf_config, world)
+    else:
+        for key, value in plan_summary(cfg, hf_config, world):
+            print(f"{key:<10} {value}")
+    return 0
+
+
+def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
+    """What a run of this config does, as (item, description) rows. (The planner with memory estimates
+    grows here.)"""
+    from shardtune.parallel.ds_config import STAGES
+
+    p, t = cfg.parallel, cfg.train
+    if p.backend == "deepspeed":
+        engine = f"DeepSpeed ZeRO stage {STAGES[p.strategy]}"
+    elif p.strategy == "ddp":
+        engine = "torch DDP (replicated)"
+    else:
+        engine = f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"
+    offload = {"none": "none", "optimizer": "optimizer states", "params": "parameters and optimizer states"}[p.offload]
+    if p.offload != "none":
+        offload += f" to NVMe at {p.offload_nvme_path}" if p.offload_nvme_path else " to CPU memory"
+    global_batch = t.micro_batch_size * t.grad_accum * world
+    return [
+        ("model", f"{hf_config.model_type} ({cfg.model.path or 'preset ' + str(cfg.model.preset)}), "
+                  f"decoder block {block_class(hf_config, cfg.model.attn_implementation)}"),
+        ("backend", p.backend),
+        ("strategy", f"{p.strategy}: {engine}"),
+        ("offload", offload),
+        ("precision", f"{t.precision}, activation checkpointing {p.activation_checkpointing}"
+                      + (", compile" if p.compile else "")),
+        ("processes", f"{world} per node"),
+        ("batch", f"{global_batch} sequences x {t.seq_len} tokens per step ({t.micro_batch_size} per process x "
+                  f"{t.grad_accum} accumulation x {world} processes)"),
+    ]
+
+
+def block_class(hf_config: Any, attn_implementation: str = "sdpa") -> str:
+    """The repeated decoder block's class name (the unit FSDP wraps), from models/facts.py or the model itself."""
+    from shardtune.models.facts import ARCH_FACTS, decoder_blocks
+
+    facts = ARCH_FACTS.get(hf_config.model_type)
+    if facts is not None:
+        return facts.block_class
+    from shardtune.models.build import build_on_meta
+
+    return type(decoder_blocks(build_on_meta(hf_config, attn_implementation), hf_config.model_type)[0]).__name__
+
+
+def _emit_deepspeed(cfg: Any, world: int) -> None:
+    import json
+
+    from shardtune.parallel.ds_config import trainer_arguments, trainer_deepspeed_config
+
+    if cfg.parallel.backend != "deepspeed":
+        raise ShardtuneError(f"--emit deepspeed: parallel.backend is {cfg.parallel.backend}; add "
+                             "parallel.backend=deepspeed (the config describes a DeepSpeed run)")
+    ds = trainer_deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, world)
+    print(json.dumps(ds, indent=2))
+    kwargs = trainer_arguments(cfg.parallel, cfg.train, cfg.optim)
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    hint = (f"# matching TrainingArguments (launch {world} processes, e.g. torchrun --nproc-per-node {world}):\n"
+            f"#   TrainingArguments(output_dir=..., deepspeed='ds_config.json', {args})")
+    if cfg.optim.schedule == "linear" and cfg.optim.min_lr_ratio > 0:
+        hint += "\n# note: Trainer's linear schedule decays to 0; optim.min_lr_ratio has no TrainingArguments form"
+    print(hint, file=sys.stderr)
+
+
+def _emit_accelerate(cfg: Any, hf_config: Any, world: int) -> None:
+    import yaml
+
+    from shardtune.parallel.ds_config import accelerate_config
+
+    fsdp = cfg.parallel.backend == "fsdp2" and cfg.parallel.strategy != "ddp"
+    block = block_class(hf_config, cfg.model.attn_implementation) if fsdp else None
+    out = accelerate_config(cfg.parallel, cfg.train, world, block, None, max_grad_norm=cfg.optim.max_grad_norm)
+    print(yaml.safe_dump(out, sort_keys=False), end="")
+    if cfg.parallel.backend == "deepspeed" and cfg.deepspeed:
+        print("# note: the deepspeed section has no inline accelerate form; use `--emit deepspeed > ds.json` and "
+              "deepspeed_config: {deepspeed_config_file: ds.json}", file=sys.stderr)
+    if cfg.parallel.backend == "deepspeed" and cfg.parallel.offload != "none":
+        print("# note: with offload, DeepSpeed accepts only its own optimizers unless the config says "
+              "zero_force_ds_cpu_optimizer: false (as `--emit deepspeed` does); use "
+              "deepspeed.ops.adam.DeepSpeedCPUAdam, or that file", file=sys.stderr)
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:

@@ -113,11 +113,17 @@ class DataConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    strategy: Literal["ddp", "zero2", "zero3"] = "zero3"
-    backend: Literal["fsdp2"] = "fsdp2"
+    strategy: Literal["ddp", "zero1", "zero2", "zero3"] = "zero3"
+    backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="The engine behind the strategy: PyTorch "
+                                                                        "FSDP2 / DDP, or DeepSpeed ZeRO.")
     nproc: int | Literal["auto"] = Field("auto", description="Processes on this node; auto = all GPUs, or 1 on CPU.")
     activation_checkpointing: Literal["none", "full"] = "none"
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
+    offload: Literal["none", "optimizer", "params"] = Field(
+        "none", description="DeepSpeed ZeRO-Offload: optimizer states (optimizer), or parameters and optimizer "
+                            "states (params, zero3 only), kept in CPU memory (or on NVMe, see offload_nvme_path).")
+    offload_nvme_path: str | None = Field(None, description="Offload to NVMe files in this folder instead of CPU "
+                                                            "memory (ZeRO-Infinity; zero3 only).")
 
     @field_validator("nproc")
     @classmethod
@@ -205,11 +211,50 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    # Free-form: advanced DeepSpeed keys merged over the config shardtune generates for its DeepSpeed backend
+    # (shardtune.parallel.ds_config checks them against the keys it derives itself).
+    deepspeed: dict[str, Any] = Field(default_factory=dict, description="Advanced DeepSpeed config keys, merged "
+                                                                        "over the generated DeepSpeed config.")
+
+    @field_validator("deepspeed", mode="before")
+    @classmethod
+    def _deepspeed_keys_and_numbers(cls, v: Any) -> Any:
+        _string_keys(v, "deepspeed")
+        return _numbers(v)
 
 
+# Sections with a typed model (one key each; overrides `section.key=value`) ...
 SECTIONS: dict[str, type[_Section]] = {
-    name: field.annotation for name, field in Config.model_fields.items()  # type: ignore[misc]
+    name: field.annotation  # type: ignore[misc]
+    for name, field in Config.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, _Section)
 }
+# ... and free-form mappings handed on as they are (overrides `deepspeed.a.b=value` may nest).
+FREEFORM_SECTIONS: tuple[str, ...] = tuple(name for name in Config.model_fields if name not in SECTIONS)
+ALL_SECTIONS: tuple[str, ...] = tuple(Config.model_fields)
+
+# YAML 1.1 (PyYAML) reads 5e8 and 1e-5 as strings; in a free-form section nothing would convert them later.
+_EXP_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def _string_keys(value: Any, where: str) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: key {k!r} is not a name; keys are strings such as zero_optimization")
+            _string_keys(v, f"{where}.{k}")
+
+
+def _numbers(value: Any) -> Any:
+    """Exponent-notation strings in a free-form section as numbers (integral ones as int: 5e8 -> 500000000)."""
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if isinstance(value, str) and _EXP_NUMBER.match(value.strip()):
+        number = float(value)
+        return int(number) if number.is_integer() and abs(number) < 2**63 else number
+    return value
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -227,23 +272,31 @@ def parse_size(text: str) -> int:
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """['train.lr=1e-4', 'parallel.strategy=zero2'] -> {'train': {'lr': 1e-4}, 'parallel': {...}}.
 
-    Values are parsed as YAML scalars/lists, so `true`, `3`, `[0.9, 0.95]` and `null` work.
+    Values are parsed as YAML scalars/lists, so `true`, `3`, `[0.9, 0.95]` and `null` work. Free-form
+    sections take nested keys: `deepspeed.zero_optimization.reduce_bucket_size=2e8`.
     """
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         parts = key.strip().split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=1e-4")
-        section, name = parts
-        if section not in SECTIONS:
-            raise ConfigError(f"override {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}; "
-                              f"sections are {', '.join(SECTIONS)}")
+        section = parts[0]
+        nested = section in FREEFORM_SECTIONS
+        if not sep or len(parts) < 2 or (len(parts) != 2 and not nested) or not all(parts):
+            hint = f", e.g. {section}.steps_per_print=10" if nested else ", e.g. train.lr=1e-4"
+            raise ConfigError(f"override {item!r}: expected section.key=value{hint}")
+        if section not in ALL_SECTIONS:
+            raise ConfigError(f"override {item!r}: unknown section {section!r}{_suggest(section, ALL_SECTIONS)}; "
+                              f"sections are {', '.join(ALL_SECTIONS)}")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
-        out.setdefault(section, {})[name] = value
+        node = out.setdefault(section, {})
+        for part in parts[1:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
     return out
 
 
@@ -271,14 +324,19 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        field = model.model_fields.get(part) if _is_model(model) else None
         if field is None:
             return None
         model = field.annotation
         for arg in typing.get_args(model) or ():  # list[SourceConfig], X | None
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
+            if _is_model(arg):
                 model = arg
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+    return model if _is_model(model) else None  # None also inside a free-form mapping (dict[str, Any])
+
+
+def _is_model(t: Any) -> bool:
+    # typing.get_origin: dict[str, Any] is no class on Python 3.11+, a class that issubclass refuses on 3.10.
+    return typing.get_origin(t) is None and isinstance(t, type) and issubclass(t, BaseModel)
 
 
 def _key(loc: tuple[Any, ...]) -> str:
@@ -326,8 +384,11 @@ def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
     if not isinstance(raw, dict):
         raise ConfigError("config: the top level must be a mapping of sections (model, data, train, ...)")
     merged = _deep_merge(raw, parse_overrides(overrides))
+    for section in FREEFORM_SECTIONS:
+        if section in merged and merged[section] is None:  # `deepspeed:` with nothing under it
+            del merged[section]
     for section, body in merged.items():
-        if section in SECTIONS and body is not None and not isinstance(body, dict):
+        if section in ALL_SECTIONS and body is not None and not isinstance(body, dict):
             raise ConfigError(f"{section}: must be a mapping of keys, got {body!r}")
     try:
         return Config.model_validate(merged)

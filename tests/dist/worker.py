@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N tests/dist/worker.py OUT_DIR GRAD_ACCUM VARIANT [VARIANT ...]
 
 A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
-compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR). For each
+compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
+adamw8bit, ds (parallel.backend=deepspeed), offload (DeepSpeed optimizer offload). For each
 variant rank 0 records the loss
 trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
 difference between the trained (sharded) model and the Hugging Face directory it exported,
@@ -41,6 +42,8 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "lora": "peft.method=lora peft.r=8 peft.alpha=16",
            "qlora": "peft.method=qlora peft.r=8 peft.alpha=16",
            "adamw8bit": "optim.name=adamw8bit",
+           "ds": "parallel.backend=deepspeed",
+           "offload": "parallel.offload=optimizer",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
 
@@ -72,20 +75,27 @@ def export_logit_diff(backend, model_dir: str, rank: int) -> float | None:
     return float((trained - reloaded).abs().max())
 
 
-def base_weights_diff(module: torch.nn.Module) -> float:
+def base_weights_diff(backend) -> float:
     """Largest change of any frozen (LoRA base) parameter against the preset's initial weights."""
-    from shardtune.models.weights import RandomInitSource, shard_rows
+    from shardtune.models.weights import RandomInitSource
     from shardtune.peft.lora import base_name
 
     source = RandomInitSource(0.02, seed=0)
     worst = 0.0
-    for name, p in module.named_parameters():
+    for name, p in backend.module.named_parameters():
         if p.requires_grad:
             continue
-        start, stop = shard_rows(p)
-        local = p.to_local() if isinstance(p, DTensor) else p
-        worst = max(worst, float((local.detach() - source.full(base_name(name), p.shape)[start:stop]).abs().max()))
+        full = backend.full_tensor(p)  # collective under sharding: every rank joins
+        worst = max(worst, float((full - source.full(base_name(name), full.shape)).abs().max()))
     return worst
+
+
+def deepspeed_partition_fraction(module: torch.nn.Module) -> float | None:
+    """ZeRO-3: share of all parameter elements this rank holds (DeepSpeed's ds_tensor partitions)."""
+    params = list(module.parameters())
+    if not params or not all(hasattr(p, "ds_tensor") for p in params):
+        return None
+    return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
 
 
 def adapter_logit_diff(backend, adapter_dir: str, rank: int) -> float | None:
@@ -118,17 +128,18 @@ def main() -> None:
         result = run_training(config_from_dict(BASE, overrides), ctx)
         summary, backend = result.summary, result.backend
         results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
-                            "world": ctx.world}
-        if "qlora" in opts:
-            if ctx.is_main:  # the adapter file exists on rank 0 once save_adapter returns there
-                from safetensors.torch import load_file
+                            "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module)}
+        if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
+            from safetensors.torch import load_file
 
-                adapter = load_file(Path(summary["adapter_dir"]) / "adapter_model.safetensors")
-                results[variant]["adapter_tensors"] = len(adapter)
-                results[variant]["adapter_nonzero_b"] = sum(int(t.abs().sum() > 0) for k, t in adapter.items()
-                                                            if "lora_B" in k)
+            adapter = load_file(Path(summary["adapter_dir"]) / "adapter_model.safetensors")
+            results[variant]["adapter_tensors"] = len(adapter)
+            results[variant]["adapter_nonzero_b"] = sum(int(t.abs().sum() > 0) for k, t in adapter.items()
+                                                        if "lora_B" in k)
+        if "qlora" in opts:
+            pass
         elif summary.get("adapter_dir"):
-            results[variant]["base_weights_diff"] = base_weights_diff(backend.module)
+            results[variant]["base_weights_diff"] = base_weights_diff(backend)
             results[variant]["adapter_logit_diff"] = adapter_logit_diff(backend, summary["adapter_dir"], ctx.rank)
         else:
             results[variant]["export_logit_diff"] = export_logit_diff(backend, summary["model_dir"], ctx.rank)

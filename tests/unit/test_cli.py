@@ -124,3 +124,166 @@ def test_torchrun_args_single_and_multi_node():
     assert "--standalone" not in multi
     for flag in ("--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:29500", "--rdzv-backend=c10d"):
         assert flag in multi
+
+
+# --- shardtune plan ----------------------------------------------------------------------------------------------
+
+
+def test_plan_summary():
+    proc = shardtune("plan", TINY)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for fragment in ("backend    fsdp2", "zero3: FSDP2", "LlamaDecoderLayer", "offload    none", "fp32",
+                     "2 per node", "32 sequences x 24 tokens"):
+        assert fragment in out, out
+    proc = shardtune("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero2",
+                     "parallel.offload=optimizer", "train.grad_accum=2", "--nproc", "4")
+    assert proc.returncode == 0, proc.stderr
+    for fragment in ("backend    deepspeed", "DeepSpeed ZeRO stage 2", "optimizer states to CPU memory",
+                     "4 per node", "128 sequences"):
+        assert fragment in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--emit", "json"], ["--emit 'json'", "deepspeed, accelerate"]),
+    (["--emit", "deepspeed"], ["--emit deepspeed", "parallel.backend=deepspeed"]),
+    (["parallel.strategy=zero1"], ["parallel.strategy: zero1", "parallel.backend=deepspeed"]),
+    (["parallel.backend=deepspeed", "deepspeed.zero_optimization.stage=2", "--emit", "deepspeed"],
+     ["deepspeed.zero_optimization.stage: 2 conflicts with parallel.strategy=zero3"]),
+    (["parallel.backend=deepspeed", "deepspeed.optimizer={type: Adam}"], ["deepspeed.optimizer", "optim."]),
+    (["parallel.backend=deepspeed", "deepspeed.zero_optimization.reduce_bucket_sise=5"],
+     ["DeepSpeed refuses", "reduce_bucket_sise"]),
+])
+def test_plan_bad_input_exits_2_with_one_line(args, fragments):
+    proc = shardtune("plan", TINY, *args)
+    _one_line_error(proc, *fragments)
+    assert proc.stdout == ""
+
+
+@pytest.fixture
+def single_process_trainer_env(monkeypatch):
+    """TrainingArguments(deepspeed=...) in this process: one process, no launcher variables; no global DeepSpeed
+    state (transformers' is_deepspeed_zero3_enabled weakref, accelerate's shared state) left for other tests."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _training_args(tmp_path, ds, **kwargs):
+    from transformers import TrainingArguments
+
+    # __post_init__ runs HfTrainerDeepSpeedConfig.trainer_config_process (fills "auto" from these arguments);
+    # Trainer runs trainer_config_finalize when training starts: that is where mismatches are reported.
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=ds, report_to="none", **kwargs)
+    args.hf_deepspeed_config.trainer_config_finalize(args, None, 300)
+    return args
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.strategy=zero3"],
+    ["parallel.strategy=zero2", "parallel.offload=optimizer", "train.precision=bf16", "train.grad_accum=3",
+     "optim.min_lr_ratio=0.1", "optim.max_grad_norm=0.5"],
+    ["parallel.strategy=zero3", "parallel.offload=params", "train.precision=fp16", "train.micro_batch_size=2",
+     "parallel.activation_checkpointing=full", "deepspeed.zero_optimization.reduce_bucket_size=auto"],
+])
+def test_emit_deepspeed_is_accepted_by_training_arguments(tmp_path, single_process_trainer_env, overrides):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from shardtune.config import load_config
+    from shardtune.parallel.ds_config import trainer_arguments
+
+    overrides = ["parallel.backend=deepspeed", *overrides]
+    proc = shardtune("plan", TINY, *overrides, "--emit", "deepspeed")
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "ds.json"
+    path.write_text(proc.stdout)
+    emitted = json.loads(path.read_text())  # stdout holds the JSON and nothing else
+    assert "TrainingArguments(" in proc.stderr
+    cfg = load_config(TINY, overrides)
+    kwargs = trainer_arguments(cfg.parallel, cfg.train, cfg.optim)
+    args = _training_args(tmp_path, str(path), use_cpu=cfg.train.precision == "bf16", **kwargs)
+    filled = args.hf_deepspeed_config.config
+    assert filled["train_micro_batch_size_per_gpu"] == cfg.train.micro_batch_size
+    assert filled["gradient_accumulation_steps"] == cfg.train.grad_accum
+    assert filled["train_batch_size"] == cfg.train.micro_batch_size * cfg.train.grad_accum * args.world_size
+    assert filled["gradient_clipping"] == cfg.optim.max_grad_norm
+    assert filled["bf16"]["enabled"] == (cfg.train.precision == "bf16")
+    assert filled["fp16"]["enabled"] == (cfg.train.precision == "fp16")
+    assert filled["zero_optimization"]["stage"] == emitted["zero_optimization"]["stage"]
+    assert "auto" not in json.dumps(filled)  # Trainer filled every placeholder (reduce_bucket_size from hidden_size)
+    parsed = DeepSpeedConfig(filled)  # and DeepSpeed takes the result
+    assert parsed.zero_optimization_stage == emitted["zero_optimization"]["stage"]
+
+
+def test_mismatching_deepspeed_config_is_refused_by_training_arguments(tmp_path, single_process_trainer_env):
+    # Negative control: a hand-written config that says fp16 while TrainingArguments does not.
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "fp16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    with pytest.raises(ValueError, match="mismatch TrainingArguments values"):
+        _training_args(tmp_path, ds, per_device_train_batch_size=16)
+
+
+def _accelerate_launch_env(path: Path) -> tuple[object, dict[str, str]]:
+    """What `accelerate launch --config_file PATH train.py` reads from the file and hands its workers."""
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    loaded = load_config_from_file(str(path))
+    assert isinstance(loaded, ClusterConfig)
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    known = set(vars(args))
+    args, defaults, _ = _validate_launch_command(args)
+    for section in ("deepspeed_config", "fsdp_config"):
+        for key in getattr(defaults, section):  # accelerate copies unknown keys without a word: none may be unknown
+            assert key in known, f"{section}.{key} is no accelerate launch argument"
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        return loaded, prepare_deepspeed_cmd_env(args)[1]
+    return loaded, prepare_multi_gpu_env(args)
+
+
+def test_emit_accelerate_deepspeed_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env):
+    proc = shardtune("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero3", "parallel.offload=params",
+                     "train.precision=bf16", "train.grad_accum=2", "--emit", "accelerate")
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(proc.stdout)
+    loaded, env = _accelerate_launch_env(path)
+    assert loaded.distributed_type == "DEEPSPEED" and loaded.num_processes == 2 and loaded.mixed_precision == "bf16"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin()  # built from the launcher's environment, as in each worker
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == 2
+    assert plugin.deepspeed_config["gradient_clipping"] == 1.0
+    assert plugin.zero3_init_flag is True
+
+
+def test_emit_accelerate_fsdp2_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env):
+    proc = shardtune("plan", TINY, "parallel.strategy=zero2", "parallel.activation_checkpointing=full",
+                     "--emit", "accelerate")
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(proc.stdout)
+    loaded, env = _accelerate_launch_env(path)
+    assert loaded.distributed_type == "FSDP" and loaded.mixed_precision == "no"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plugin.activation_checkpointing is True
+    assert str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT")

@@ -3,6 +3,8 @@
 A checkpoint is a directory `step-NNNNNNNN/` holding:
   *.distcp + .metadata   model and optimizer state, one shard file per rank (DCP): loads on any
                          world size and across zero2 / zero3 / ddp, DCP reshards on load
+  deepspeed/state/       instead, for the deepspeed backend: the engine's own files (resume on the
+                         same number of processes; `shardtune export` reads any of them)
   trainer_state.json     step, sampler position, LR schedule, loss scaler, batch geometry, config
   rng/rank{R}.safetensors  each rank's RNG states
   hf/                    config.json + tokenizer, so `shardtune export` needs nothing else
@@ -39,6 +41,7 @@ from shardtune.errors import ShardtuneError
 VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+NATIVE_DIR = "deepspeed"  # a DeepSpeed-format checkpoint's engine files (format "deepspeed" in the manifest)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -269,9 +272,23 @@ class Checkpointer:
             self.write_hf_dir(tmp / "hf")
         _barrier()
         _save_rng(tmp / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
-        state = backend.state_dict()
-        info = {"step": step, "world_size": self.ctx.world}
+        fmt = checkpoint_format(backend)
+        info = {"step": step, "world_size": self.ctx.world, "format": fmt}
         final = step_dir(self.root, step)
+        if fmt == "deepspeed":
+            # The engine writes its own sharded layout (one file per rank) and has no DCP async path.
+            if self.cfg.async_save and self.last_saved_step < 0 and self.ctx.is_main:
+                print("warning: checkpoint.async is ignored by the deepspeed backend; checkpoints are written "
+                      "synchronously", flush=True)
+            backend.save_native(tmp / NATIVE_DIR)
+            _barrier()
+            if self.ctx.is_main:
+                self._finish(None, tmp, final, info)
+            _barrier()
+            self.last_saved_step = step
+            self.last_time = time.monotonic()
+            return time.perf_counter() - t0
+        state = backend.state_dict()
         if self.cfg.async_save:
             result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group,
                                     **self._stager_kwargs())
@@ -333,14 +350,39 @@ class Checkpointer:
 
     def load(self, path: Path, backend: Any) -> dict[str, Any]:
         """Restore model, optimizer and RNG from `path`; returns its trainer state."""
-        state = backend.state_dict()
-        load_state(state, path)
-        backend.load_state_dict(state)
+        if checkpoint_format(backend) == "deepspeed":
+            backend.load_native(path / NATIVE_DIR)
+        else:
+            state = backend.state_dict()
+            load_state(state, path)
+            backend.load_state_dict(state)
         trainer_state = read_trainer_state(path)
         if trainer_state.get("world_size") == self.ctx.world:
             _load_rng(path / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
         self.last_saved_step = int(trainer_state["step"])
         return trainer_state
+
+
+def checkpoint_format(backend: Any) -> str:
+    """"dcp" (FSDP2 / DDP tensors through torch.distributed.checkpoint) or "deepspeed" (the engine's own files)."""
+    return getattr(backend, "checkpoint_format", "dcp")
+
+
+def check_resumable(path: Path, backend: str, world: int) -> None:
+    """Refuse, before anything is built, a resume that the checkpoint's format cannot do."""
+    manifest = read_manifest(path) or {}
+    fmt = manifest.get("format", "dcp")
+    wants = "deepspeed" if backend == "deepspeed" else "dcp"
+    if fmt != wants:
+        writer = "deepspeed" if fmt == "deepspeed" else "fsdp2"
+        raise ShardtuneError(f"checkpoint {path} was written by the {writer} backend and cannot be resumed with "
+                             f"parallel.backend={backend}; resume with parallel.backend={writer}, or "
+                             f"`shardtune export {path} DIR` and start a new run from DIR")
+    saved_world = int(manifest.get("world_size", world))
+    if fmt == "deepspeed" and saved_world != world:
+        raise ShardtuneError(f"checkpoint {path} is a DeepSpeed checkpoint of {saved_world} processes; DeepSpeed "
+                             f"resumes on the same number only: use --nproc {saved_world} (or the fsdp2 backend, "
+                             "whose checkpoints reshard to any count)")
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

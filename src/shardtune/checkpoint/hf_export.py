@@ -52,6 +52,7 @@ def _nbytes(t: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 def _gather(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -81,8 +82,12 @@ def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[
 
 
 def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: str | Path, *,
-                  dtype: torch.dtype, max_shard_bytes: int, rank: int) -> None:
-    """Collective: every rank must call it. Rank 0 writes `out_dir` (safetensors, config, tokenizer)."""
+                  dtype: torch.dtype, max_shard_bytes: int, rank: int,
+                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Collective: every rank must call it. Rank 0 writes `out_dir` (safetensors, config, tokenizer).
+
+    `gather` gives a parameter's whole tensor (the backend's `full_tensor`; default: DTensor gather)."""
+    gather = gather or _gather
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     tensors = export_tensors(module)
@@ -91,7 +96,7 @@ def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: st
         tmp.mkdir(parents=True)
 
     def fetch(name: str) -> torch.Tensor | None:
-        full = _gather(tensors[name].detach())  # collective: every rank joins
+        full = gather(tensors[name])  # collective: every rank joins
         if rank != 0:
             return None
         return full.to("cpu", dtype if full.is_floating_point() else full.dtype).contiguous()

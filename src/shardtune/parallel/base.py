@@ -23,7 +23,10 @@ class Backend(Protocol):
     state_dict:       model + optimizer tensors for a DCP checkpoint (load_state_dict restores them);
     extra_state:      the JSON-able rest (LR schedule, loss scaler).
     forward:          logits for evaluation (no grad).
+    full_tensor:      collective: a parameter's whole tensor, however the backend shards it (for export).
     module:           the unwrapped model (for export).
+    checkpoint_format: "dcp" (the loop's checkpointer saves `state_dict()` with DCP) or "deepspeed"
+                      (the backend writes its engine's own files: `save_native(dir)` / `load_native(dir)`).
     """
 
     module: nn.Module
@@ -47,6 +50,8 @@ class Backend(Protocol):
     def train(self, mode: bool = True) -> None: ...
 
     def forward(self, batch: Batch) -> torch.Tensor: ...
+
+    def full_tensor(self, param: torch.Tensor) -> torch.Tensor: ...
 
     @property
     def lr(self) -> float: ...

@@ -179,6 +179,12 @@ class FSDP2Backend:
                     module.reshard()
 
 
+    def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """Collective for a sharded parameter: its whole tensor on every rank."""
+        t = param.detach()
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 grad norm over all ranks (DTensor shards included); clips when max_norm > 0."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +89,18 @@ def _crc(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def adapter_state(model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
-    """Collective: gather every adapter tensor in full; rank 0 gets PEFT's saved-format state
-    (adapter name stripped), the other ranks None."""
-    from torch.distributed.tensor import DTensor
+def adapter_state(model: nn.Module, rank: int,
+                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    """Collective: gather every adapter tensor in full (`gather`: the backend's full_tensor; default
+    the DTensor gather); rank 0 gets PEFT's saved-format state (adapter name stripped), the others None."""
+    from shardtune.checkpoint.hf_export import _gather
 
+    gather = gather or _gather
     full = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        t = param.detach()
-        t = t.full_tensor() if isinstance(t, DTensor) else t
+        t = gather(param)
         if rank == 0:
             full[name] = t.to("cpu", torch.float32).contiguous()
     if rank != 0:
@@ -108,13 +110,14 @@ def adapter_state(model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None
     return get_peft_model_state_dict(model, state_dict=full)
 
 
-def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int) -> None:
+def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int,
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors)."""
     from safetensors.torch import save_file
 
     from shardtune.checkpoint.hf_export import replace_dir
 
-    state = adapter_state(model, rank)
+    state = adapter_state(model, rank, gather)
     if rank != 0:
         return
     if not state or not all(t.numel() for t in state.values()):

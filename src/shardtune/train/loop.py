@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardtune.checkpoint.dcp import Checkpointer, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.dcp import Checkpointer, check_resumable, read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model, write_config
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
@@ -56,6 +56,8 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     out = Path(cfg.train.output_dir)
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
     resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
+    if resume:
+        check_resumable(resume, cfg.parallel.backend, ctx.world)
     saved = read_trainer_state(resume) if resume else None
     if saved:
         cfg = keep_global_batch(cfg, saved, ctx)
@@ -89,7 +91,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = decoder_blocks(model, hf_config.model_type)
-    backend = make_backend(cfg.parallel, t.precision, ctx)
+    backend = make_backend(cfg, ctx)
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
     # are not read. With LoRA the checkpoint holds only the adapters: the base is read again.
     weights = None if resume and cfg.peft.method == "none" else source
@@ -154,10 +156,12 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     logger.close()
 
     if cfg.checkpoint.save_final and finished and cfg.peft.method != "none":
-        save_adapter(backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), tokenizer, ctx.rank)
+        save_adapter(backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), tokenizer, ctx.rank,
+                     gather=backend.full_tensor)
     elif cfg.checkpoint.save_final and finished:
         save_hf_model(backend.module, hf_config, tokenizer, out / "model", dtype=SAVE_DTYPES[save_dtype(cfg)],
-                      max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank)
+                      max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank,
+                      gather=backend.full_tensor)
     summary = _summary(cfg, ctx, state, total_steps, train_seconds, n_params, out)
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -14,18 +14,23 @@ from shardtune.config import OptimConfig
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], optim: OptimConfig, lr: float,
                     device: torch.device) -> torch.optim.Optimizer:
     """AdamW; biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer."""
-    decay, no_decay = [], []
-    for _, p in named_params:
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = param_groups(named_params, optim.weight_decay)
     if optim.name == "adamw8bit":
         from shardtune.peft.optim8bit import build_adamw8bit
 
         return build_adamw8bit(groups, lr, optim.betas, optim.eps, optim.weight_decay)
     fused = device.type == "cuda" if optim.fused == "auto" else bool(optim.fused)
     return torch.optim.AdamW(groups, lr=lr, betas=optim.betas, eps=optim.eps, fused=fused)
+
+
+def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Trainable parameters in two groups: matrices with weight decay, 1-D tensors (biases, norms) without."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            # A ZeRO-3 parameter is an empty placeholder between gathers; its real shape is ds_shape.
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def warmup_steps(optim: OptimConfig, total_steps: int) -> int:

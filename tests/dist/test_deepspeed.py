@@ -1,0 +1,109 @@
+"""The DeepSpeed backend on 2 gloo processes: loss parity with FSDP2 and the unsharded run (fp32),
+ZeRO-3 partitioning, CPU offload, bf16, LoRA under ZeRO-3 (a complete adapter, never an empty one),
+export through transformers, and resume from DeepSpeed's own checkpoint format."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, shardtune, torchrun
+
+from shardtune.models.init_model import init_model
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("deepspeed")
+
+WORKER = str(ROOT / "tests" / "dist" / "worker.py")
+DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero2:ds:offload"]
+TINY = str(ROOT / "examples" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ds")
+    os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(init_model(tmp / "tiny", "tiny-llama"))
+    try:
+        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:lora"])
+        torchrun(2, [WORKER, str(tmp / "two"), "2", "zero2", "zero3", *DS_FP32, "zero3:ds:lora", "zero3:ds:bf16"])
+    finally:
+        os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
+    return (json.loads((tmp / "ref" / "results.json").read_text()),
+            json.loads((tmp / "two" / "results.json").read_text()))
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) >= 6
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("variant", DS_FP32)
+def test_deepspeed_matches_unsharded_and_fsdp2(results, variant):
+    ref, two = results
+    assert two[variant]["world"] == 2
+    assert _max_diff(ref["ddp"]["losses"], two[variant]["losses"]) < 1e-5
+    for fsdp2 in ("zero2", "zero3"):
+        assert _max_diff(two[fsdp2]["losses"], two[variant]["losses"]) < 1e-5
+    assert two[variant]["losses"][-1] < two[variant]["losses"][0]
+    assert two[variant]["export_logit_diff"] < 1e-5  # OUTPUT/model reloads through transformers
+
+
+def test_zero3_partitions_parameters_and_stage2_does_not(results):
+    two = results[1]
+    assert two["zero3:ds"]["ds_fraction"] == pytest.approx(0.5, abs=0.01)  # each rank holds half
+    assert two["zero2:ds"]["ds_fraction"] is None  # ZeRO-2 keeps whole parameters
+
+
+def test_bf16_close_to_fp32(results):
+    ref, two = results
+    assert _max_diff(ref["ddp"]["losses"], two["zero3:ds:bf16"]["losses"]) < 2e-2
+
+
+def test_zero3_lora_saves_a_complete_adapter(results):
+    # ZeRO-3 + PEFT saving a 40-byte adapter (peft #2892): every adapter tensor must be gathered.
+    ref, two = results
+    lora = two["zero3:ds:lora"]
+    assert _max_diff(ref["ddp:lora"]["losses"], lora["losses"]) < 1e-5
+    assert lora["adapter_tensors"] == 2 * 7 * 4  # A and B of 7 projections x 4 layers
+    assert lora["adapter_nonzero_b"] == 7 * 4  # every B trained away from its zero init
+    assert lora["adapter_logit_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = trained model
+    assert lora["base_weights_diff"] == 0.0
+
+
+def _train(out: Path, *extra: str, nproc: int = 2):
+    return shardtune("train", TINY, "--nproc", str(nproc), "--output-dir", str(out), "train.max_steps=8",
+                     "train.micro_batch_size=4", "train.grad_accum=2", "parallel.backend=deepspeed",
+                     "parallel.strategy=zero3", "log.every=1", "log.progress=false", "train.eval_batches=1",
+                     "checkpoint.every_steps=3", "checkpoint.save_final=false", *extra)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def test_resume_from_a_deepspeed_checkpoint(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert _train(full).returncode == 0
+    stop = _train(part, "train.stop_after_step=5")
+    assert stop.returncode == 0, stop.stderr[-3000:]
+    ckpt = part / "checkpoints" / "step-00000005"
+    assert json.loads((ckpt / "manifest.json").read_text())["format"] == "deepspeed"
+    assert any((ckpt / "deepspeed" / "state").glob("*optim_states.pt"))
+    moved = tmp_path / "moved"
+    shutil.copytree(part, moved)
+    resumed = _train(part, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    a, b = _losses(part), _losses(full)
+    assert sorted(a) == list(range(1, 9))
+    assert max(abs(a[s] - b[s]) for s in b) <= 1e-6
+
+    # DeepSpeed checkpoints resume on the same number of processes and backend only: one line, exit 2.
+    other = _train(moved, "--resume", nproc=1)
+    assert other.returncode == 2 and "same number" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+    fsdp = _train(moved, "--resume", "parallel.backend=fsdp2")
+    assert fsdp.returncode == 2 and "deepspeed backend" in fsdp.stderr
