@@ -3,7 +3,8 @@
     python bench/peft_bench.py --size 8b --runs lora:1,qlora:1,lora:2,qlora:2 --baselines lora:1,qlora:1
     python bench/peft_bench.py --size tiny --runs lora:2,qlora:2 --baselines lora:1     # CPU plumbing
 
-A run is METHOD:NPROC. shardtune: the preset of --size, long random text (full rows), seq 2048,
+A run is METHOD:NPROC[:c] (c: parallel.compile=true, each decoder block compiled).
+shardtune: the preset of --size, long random text (full rows), seq 2048,
 micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
 Baselines: bench/hf_peft_baseline.py (HF Trainer + PEFT, gradient checkpointing; QLoRA through
 bitsandbytes NF4 + double quantisation). Prints a table last; ratios are against the baseline of
@@ -24,18 +25,21 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
            "8b": ("llama-3-8b", 2048, "bf16"), "70b": ("llama-3-70b", 2048, "bf16")}
 
 
-def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int) -> dict:
+def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int,
+                  compile_blocks: bool = False) -> dict:
     preset, seq, prec = PRESETS[size]
-    run_dir = out / f"st_{method}_{nproc}"
+    tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "")
+    run_dir = out / f"st_{tag}"
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
            f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
            f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}", "log.every=2",
            "log.progress=false", "checkpoint.save_final=false", "checkpoint.at_end=false",
            "parallel.strategy=zero3", "parallel.activation_checkpointing=full", f"peft.method={method}",
-           "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}"]
+           "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}", f"parallel.compile={compile_blocks}"]
     proc = _run(cmd)
-    (out / f"st_{method}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    result = {"who": "shardtune", "method": method, "nproc": nproc, "rc": proc.returncode}
+    (out / f"st_{tag}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    result = {"who": "shardtune", "method": method + ("+compile" if compile_blocks else ""), "nproc": nproc,
+              "rc": proc.returncode}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"loss"' in x][2:]
@@ -75,8 +79,13 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + "\nTIMEOUT")
 
 
-def _pairs(spec: str) -> list[tuple[str, int]]:
-    return [(m, int(n)) for m, n in (x.split(":") for x in spec.split(",") if x)]
+def _pairs(spec: str) -> list[tuple[str, int, bool]]:
+    """'lora:1,qlora:2:c' -> [('lora', 1, False), ('qlora', 2, True)] (c: compile each block)."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        method, n, *flags = item.split(":")
+        out.append((method, int(n), "c" in flags))
+    return out
 
 
 def main() -> None:
@@ -98,19 +107,20 @@ def main() -> None:
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_long_text.py"), str(data), "--n", "256",
                     "--chars", str(seq + seq // 8 + 32), "--min-tokens", str(seq)], check=True, capture_output=True)
     results = []
-    jobs = ([("baseline", m, n) for m, n in _pairs(args.baselines)] +
-            [("shardtune", m, n) for m, n in _pairs(args.runs)])
+    jobs = ([("baseline", *job) for job in _pairs(args.baselines)] +
+            [("shardtune", *job) for job in _pairs(args.runs)])
     if args.first == "shardtune":
         jobs.sort(key=lambda j: j[0] != "shardtune")
-    for who, method, n in jobs:
+    for who, method, n, compile_blocks in jobs:
         if who == "baseline":
             results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs))
         else:
-            results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs))
+            results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks))
         print(json.dumps(results[-1]), flush=True)
         # Written after every run: a call that runs out of time still leaves what it measured.
         (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     base = {(r["method"], r["nproc"]): r.get("tokens_per_s_per_gpu") for r in results if r["who"] == "hf_peft"}
+    base |= {(m + "+compile", n): v for (m, n), v in base.items()}
     print(f"\n{args.size}: seq {seq}, micro-batch {args.mbs}, activation checkpointing, LoRA r=16 on all projections")
     print("| who | method | GPUs | rc | tokens/s/GPU | vs HF+PEFT | peak alloc GiB | peak reserved GiB |")
     print("|---|---|---|---|---|---|---|---|")

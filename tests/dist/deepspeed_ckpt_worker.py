@@ -4,14 +4,19 @@ checkpoints of a tiny Llama, laid out as shardtune step directories.
     torchrun --nproc-per-node 2 tests/dist/deepspeed_ckpt_worker.py OUT_DIR VARIANT [VARIANT ...]
 
 A variant is STRATEGY-PRECISION-KIND[-OFFLOAD], e.g. zero3-fp32-full, zero2-bf16-lora, ddp-fp32-full
-(ddp = ZeRO stage 0), zero3-fp32-full-params (parallel.offload=params). The DeepSpeed config is the one
+(ddp = ZeRO stage 0), zero3-fp32-full-params (parallel.offload=params), zero3-fp32-full-odd (a
+tiny-llama with odd tensor sizes and an untied LM head; full fine-tuning only: the trainer state
+still names the preset). The DeepSpeed config is the one
 shardtune generates (parallel/ds_config.py). Each trains 2 optimizer steps through shardtune's DeepSpeedBackend and then
 writes OUT_DIR/VARIANT/checkpoints/step-00000002/ as the training loop does: trainer_state.json,
 hf/ (config + tokenizer, + adapter_config.json for LoRA), deepspeed/ (engine.save_checkpoint
 through backend.save_native), and manifest.json last ("format": "deepspeed"). Next to the
 checkpoints rank 0 writes OUT_DIR/VARIANT/reference.safetensors: the logits of a fixed batch
-through the backend at save time ("logits"), and every trainable parameter as the backend holds it
-(gathered under ZeRO-3; in the compute dtype, e.g. bf16 module copies for bf16 runs).
+through the backend at save time ("logits"), every trainable parameter as the backend holds it
+(gathered under ZeRO-3; in the compute dtype, e.g. bf16 module copies for bf16 runs), and the logits
+after one more step ("logits_moved") and again after DeepSpeed re-read the checkpoint through
+backend.load_native inside deepspeed_files.weights_only_loads ("logits_reloaded"; every torch.load
+it made had weights_only=True).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.checkpoint.dcp import TRAINER_STATE, finalize
+from shardtune.checkpoint.deepspeed_files import weights_only_loads
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, write_config
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, PeftConfig, TrainConfig
 from shardtune.data import Batch
@@ -39,6 +45,8 @@ from shardtune.peft.lora import LoraSource, apply_lora
 
 STEPS, MICRO, SEQ = 2, 2, 16
 PEFT = PeftConfig(method="lora", r=4, alpha=8.0)
+ODD = {"hidden_size": 65, "head_dim": 16, "intermediate_size": 171, "num_attention_heads": 5,
+       "num_key_value_heads": 1, "tie_word_embeddings": False}
 
 
 def fixed_batch() -> torch.Tensor:
@@ -47,8 +55,10 @@ def fixed_batch() -> torch.Tensor:
 
 def make_variant(out: Path, variant: str, ctx) -> None:
     strategy, precision, kind, *rest = variant.split("-")
-    offload = rest[0] if rest else "none"
+    offload = next((x for x in rest if x != "odd"), "none")
     hf = preset_config("tiny-llama")
+    if "odd" in rest:  # odd-sized tensors: ZeRO pads partitions; an untied LM head
+        hf.update(ODD)
     mcfg = ModelConfig(preset="tiny-llama", seed=0)
     model = build_on_meta(hf)
     base = model
@@ -95,6 +105,33 @@ def make_variant(out: Path, variant: str, ctx) -> None:
     for name, param in backend.module.named_parameters():
         if param.requires_grad:
             reference[name] = backend.full_tensor(param).contiguous()  # collective under ZeRO-3
+    # One more step moves the weights; DeepSpeed's own resume from the files just written (its reads
+    # forced to weights_only) must bring back the saved model.
+    backend.train(True)
+    x1 = torch.randint(4, 500, (MICRO, SEQ), generator=g)
+    backend.forward_backward(Batch(input_ids=x1, attention_mask=torch.ones_like(x1), labels=x1.clone()), norm)
+    backend.step()
+    backend.train(False)
+    with torch.no_grad():
+        moved = backend.forward(Batch(input_ids=x, attention_mask=torch.ones_like(x), labels=x.clone()))
+    reference["logits_moved"] = moved.float().contiguous()
+    seen: list[bool] = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("weights_only") is True)
+        return real_load(*args, **kwargs)
+
+    torch.load = spy
+    try:
+        with weights_only_loads(backend.engine):
+            backend.load_native(tmp / "deepspeed")
+    finally:
+        torch.load = real_load
+    assert seen and all(seen), seen
+    with torch.no_grad():
+        again = backend.forward(Batch(input_ids=x, attention_mask=torch.ones_like(x), labels=x.clone()))
+    reference["logits_reloaded"] = again.float().contiguous()
     dist.barrier()
     if ctx.is_main:
         from safetensors.torch import save_file

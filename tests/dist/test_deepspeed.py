@@ -105,5 +105,5 @@ def test_resume_from_a_deepspeed_checkpoint(tmp_path):
     # DeepSpeed checkpoints resume on the same number of processes and backend only: one line, exit 2.
     other = _train(moved, "--resume", nproc=1)
     assert other.returncode == 2 and "same number" in other.stderr and len(other.stderr.strip().splitlines()) == 1
-    fsdp = _train(moved, "--resume", "parallel.backend=fsdp2")
+    fsdp = _train(moved, "parallel.backend=fsdp2", "--resume")
     assert fsdp.returncode == 2 and "deepspeed backend" in fsdp.stderr

@@ -136,6 +136,9 @@ def test_plan_summary():
     for fragment in ("backend    fsdp2", "zero3: FSDP2", "LlamaDecoderLayer", "offload    none", "fp32",
                      "2 per node", "32 sequences x 24 tokens"):
         assert fragment in out, out
+
+
+def test_plan_summary_deepspeed():
     proc = shardtune("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero2",
                      "parallel.offload=optimizer", "train.grad_accum=2", "--nproc", "4")
     assert proc.returncode == 0, proc.stderr
@@ -190,7 +193,7 @@ def _training_args(tmp_path, ds, **kwargs):
     ["parallel.strategy=zero2", "parallel.offload=optimizer", "train.precision=bf16", "train.grad_accum=3",
      "optim.min_lr_ratio=0.1", "optim.max_grad_norm=0.5"],
     ["parallel.strategy=zero3", "parallel.offload=params", "train.precision=fp16", "train.micro_batch_size=2",
-     "parallel.activation_checkpointing=full", "deepspeed.zero_optimization.reduce_bucket_size=auto"],
+     "parallel.activation_checkpointing=full", "deepspeed.zero_optimization.sub_group_size=1e8"],
 ])
 def test_emit_deepspeed_is_accepted_by_training_arguments(tmp_path, single_process_trainer_env, overrides):
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -216,9 +219,16 @@ def test_emit_deepspeed_is_accepted_by_training_arguments(tmp_path, single_proce
     assert filled["bf16"]["enabled"] == (cfg.train.precision == "bf16")
     assert filled["fp16"]["enabled"] == (cfg.train.precision == "fp16")
     assert filled["zero_optimization"]["stage"] == emitted["zero_optimization"]["stage"]
-    assert "auto" not in json.dumps(filled)  # Trainer filled every placeholder (reduce_bucket_size from hidden_size)
+    assert "auto" not in json.dumps(filled)  # Trainer filled every placeholder
     parsed = DeepSpeedConfig(filled)  # and DeepSpeed takes the result
     assert parsed.zero_optimization_stage == emitted["zero_optimization"]["stage"]
+    # "auto", not shardtune's numbers: TrainingArguments that differ from the shardtune config are accepted too.
+    other = _training_args(tmp_path, str(path), use_cpu=cfg.train.precision == "bf16",
+                           **{**kwargs, "per_device_train_batch_size": 3, "gradient_accumulation_steps": 5,
+                              "max_grad_norm": 0.25})
+    filled = other.hf_deepspeed_config.config
+    assert (filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"],
+            filled["train_batch_size"], filled["gradient_clipping"]) == (3, 5, 15, 0.25)
 
 
 def test_mismatching_deepspeed_config_is_refused_by_training_arguments(tmp_path, single_process_trainer_env):

@@ -1,12 +1,15 @@
 """`shardtune export`: a resumable checkpoint -> a Hugging Face model directory, in one process.
 
-Tensors are read one at a time from the DCP shards (whatever world size wrote them) and written
-into safetensors files as they come, so host memory holds one tensor plus one output shard,
-never the model. No process group is needed.
+Tensors are read one at a time from the DCP shards (whatever world size wrote them), or for a
+checkpoint of the deepspeed backend (manifest "format": "deepspeed") assembled one at a time from
+the ranks' fp32 optimizer partitions (checkpoint/deepspeed_files.py), and written into safetensors
+files as they come, so host memory holds one tensor plus one output shard, never the model. No
+process group is needed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -17,7 +20,8 @@ from typing import Any
 
 import torch
 
-from shardtune.checkpoint.dcp import SafeReader, load_state, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.dcp import SafeReader, load_state, read_manifest, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.deepspeed_files import LazyTensor, deepspeed_model_tensors
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, replace_dir, write_config, write_safetensors
 from shardtune.errors import ShardtuneError
 
@@ -41,6 +45,24 @@ def read_tensor(path: Path, key: str, meta: Any) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         load_state({key: tensor}, path, partial=True, no_dist=True)
     return tensor
+
+
+def checkpoint_format(path: Path) -> str:
+    """How a complete checkpoint stores its tensors: "dcp" (the fsdp2 backend; manifests before the
+    deepspeed backend carry no format) or "deepspeed"."""
+    fmt = (read_manifest(path) or {}).get("format", "dcp")
+    if fmt not in ("dcp", "deepspeed"):
+        raise ShardtuneError(f"{path}: checkpoint format {fmt!r} is not one this shardtune reads (dcp, deepspeed)")
+    return fmt
+
+
+def checkpoint_tensors(path: Path) -> dict[str, LazyTensor]:
+    """Parameter name -> LazyTensor (shape, dtype, load()) of the model in a checkpoint of either format."""
+    if checkpoint_format(path) == "deepspeed":
+        return deepspeed_model_tensors(path)
+    return {name: LazyTensor(tuple(meta.size), meta.properties.dtype,
+                             functools.partial(read_tensor, path, MODEL_PREFIX + name, meta))
+            for name, meta in model_tensors(path).items()}
 
 
 def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "auto",
@@ -67,7 +89,7 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
     target = SAVE_DTYPES[dtype]
     if lora:
         return export_merged(path, Path(out_dir), hf_config, tokenizer, target, max_shard_bytes)
-    tensors = model_tensors(path)
+    tensors = checkpoint_tensors(path)
     if getattr(hf_config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied to the input embedding: saved once, as transformers does
     out = Path(out_dir)
@@ -76,22 +98,15 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
     tmp.mkdir(parents=True)
 
     def fetch(name: str) -> torch.Tensor:
-        t = read_tensor(path, MODEL_PREFIX + name, tensors[name])
+        t = tensors[name].load()
         return t.to(target) if t.is_floating_point() else t
 
-    sizes = [(n, _numel(m) * (target.itemsize if m.properties.dtype.is_floating_point else m.properties.dtype.itemsize))
-             for n, m in tensors.items()]
+    sizes = [(n, t.numel * (target.itemsize if t.dtype.is_floating_point else t.dtype.itemsize))
+             for n, t in tensors.items()]
     write_safetensors(tmp, sizes, fetch, max_shard_bytes)
     write_config(hf_config.architectures[0] if hf_config.architectures else None, hf_config, tokenizer, tmp, target)
     replace_dir(tmp, out)
     return out
-
-
-def _numel(meta: Any) -> int:
-    n = 1
-    for d in meta.size:
-        n *= d
-    return n
 
 
 _ADAPTER_NAME = re.compile(r"\.default(?=\.weight$|$)")
@@ -101,9 +116,8 @@ def export_adapter(path: Path, out: Path) -> Path:
     """A LoRA checkpoint -> a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
     from safetensors.torch import save_file
 
-    tensors = model_tensors(path)
-    state = {_ADAPTER_NAME.sub("", name): read_tensor(path, MODEL_PREFIX + name, meta).float().contiguous()
-             for name, meta in tensors.items()}
+    tensors = checkpoint_tensors(path)
+    state = {_ADAPTER_NAME.sub("", name): t.load().float().contiguous() for name, t in tensors.items()}
     if not state:
         raise ShardtuneError(f"{path}: the checkpoint holds no adapter tensors")
     tmp = out.with_name(f".{out.name}.tmp")
@@ -135,7 +149,7 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
     source = make_source(ModelConfig(**run.get("model", {})), hf_config, torch.device("cpu"))
     dequantize = _nf4_round_trip(run, trainer) if run.get("peft", {}).get("method") == "qlora" else None
     params = dict(build_on_meta(hf_config).named_parameters())
-    lora = model_tensors(path)
+    lora = checkpoint_tensors(path)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -147,8 +161,8 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
         if a_key in lora:
             if dequantize is not None:  # QLoRA trained against the 4-bit weight: merge into that
                 weight = dequantize(weight)
-            a = read_tensor(path, MODEL_PREFIX + a_key, lora[a_key]).float()
-            b = read_tensor(path, MODEL_PREFIX + b_key, lora[b_key]).float()
+            a = lora[a_key].load().float()
+            b = lora[b_key].load().float()
             weight = weight + scale * (b @ a)
         return weight.to(target)
 

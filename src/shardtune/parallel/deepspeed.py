@@ -164,12 +164,15 @@ class DeepSpeedBackend:
                                                                       self.module.parameters()))
 
     def load_native(self, path: Path) -> None:
-        from shardtune.checkpoint.deepspeed_files import check_pickles
+        from shardtune.checkpoint.deepspeed_files import check_pickles, weights_only_loads
 
-        check_pickles(path / TAG)  # nothing in a checkpoint may run code (DeepSpeed unpickles freely)
-        loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_lr_scheduler_states=False,
-                                                load_module_strict=all(p.requires_grad for p in
-                                                                       self.module.parameters()))
+        # Nothing in a checkpoint may run code: DeepSpeed unpickles with weights_only=False, so the
+        # pickles are scanned first and then read with weights_only=True and an allow-list.
+        check_pickles(path / TAG)
+        with weights_only_loads(self.engine):
+            loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_lr_scheduler_states=False,
+                                                    load_module_strict=all(p.requires_grad for p in
+                                                                           self.module.parameters()))
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint at {path}")
 

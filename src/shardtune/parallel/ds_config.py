@@ -15,6 +15,7 @@ question; the optimizer and scheduler belong to shardtune (optim.*) and are refu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any
@@ -311,7 +312,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any], derived: dict[tuple[str,
                 raise ConfigError(f"{key}: must be a mapping of keys, got {_js(v)}")
             out[k] = _merge(base.get(k) or {}, v, derived, here)
         else:
-            out[k] = v  # a tuning key (or one shardtune does not set): the deepspeed section wins
+            out[k] = copy.deepcopy(v)  # a tuning key (or one shardtune does not set): the section wins
     return out
 
 
