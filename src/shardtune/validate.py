@@ -132,6 +132,10 @@ def _check_backend(cfg: Config) -> None:
             what = "is not a folder" if Path(p.offload_nvme_path).exists() else "does not exist"
             raise ShardtuneError(f"parallel.offload_nvme_path: {p.offload_nvme_path!r} {what}; create the folder "
                                  "on a local NVMe drive, or fix the path")
+        if p.backend == "deepspeed" and not _async_io_available():
+            raise ShardtuneError("parallel.offload_nvme_path: NVMe offload needs libaio for DeepSpeed's async I/O op; "
+                                 "install it (apt-get install libaio-dev, or yum install libaio-devel), or remove "
+                                 "offload_nvme_path to offload to CPU memory")
     if p.backend == "deepspeed" and cfg.peft.method == "qlora":
         raise ShardtuneError("peft.method: qlora needs parallel.backend=fsdp2 (its torchao NF4 weights shard under "
                              "FSDP2 only); set parallel.backend=fsdp2, or use peft.method=lora with deepspeed")
@@ -170,6 +174,16 @@ def deepspeed_import_error() -> str | None:
             if isinstance(handler, logging.StreamHandler) and handler.stream is chatter:
                 handler.setStream(sys.stderr)
     return None
+
+
+def _async_io_available() -> bool:
+    """Whether DeepSpeed's async I/O op (NVMe offload) can be built here: it needs libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # deepspeed missing or its probe failing: the import check reports the former
+        return False
 
 
 def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 pytest.importorskip("deepspeed")
 
 WORKER = str(ROOT / "tests" / "dist" / "worker.py")
-DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero2:ds:offload"]
+DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero2:ds:offload", "zero3:ds:offparams"]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
 

@@ -4,7 +4,8 @@
 
 A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
 compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
-adamw8bit, ds (parallel.backend=deepspeed), offload (DeepSpeed optimizer offload). For each
+adamw8bit, ds (parallel.backend=deepspeed), offload / offparams (DeepSpeed offload of the optimizer /
+of parameters and optimizer). For each
 variant rank 0 records the loss
 trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
 difference between the trained (sharded) model and the Hugging Face directory it exported,
@@ -44,6 +45,7 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "adamw8bit": "optim.name=adamw8bit",
            "ds": "parallel.backend=deepspeed",
            "offload": "parallel.offload=optimizer",
+           "offparams": "parallel.offload=params",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
 

@@ -10,7 +10,7 @@ from shardtune.config import ConfigError, config_from_dict, dump_config, load_co
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import ds_config
 from shardtune.parallel.ds_config import accelerate_config, deepspeed_config, trainer_deepspeed_config
-from shardtune.validate import check_combination, check_deepspeed_accepts, deepspeed_import_error
+from shardtune.validate import _async_io_available, check_combination, check_deepspeed_accepts, deepspeed_import_error
 
 BASE = {"model": {"preset": "tiny-llama"}, "data": {"train_file": "examples/data/tasks.jsonl"}}
 
@@ -328,7 +328,19 @@ def test_check_combination_refusals(overrides, raw, fragments):
     ["parallel.strategy=zero3", "parallel.compile=true"],
 ])
 def test_check_combination_accepts(overrides):
+    if any("nvme" in o for o in overrides) and not _async_io_available():
+        pytest.skip("libaio is not installed here (.ci/run installs it): DeepSpeed's async I/O op cannot build")
     check_combination(_cfg(*overrides), world=2)
+
+
+def test_nvme_offload_without_libaio_is_refused_with_the_install_command(monkeypatch, tmp_path):
+    import shardtune.validate as validate
+
+    monkeypatch.setattr(validate, "_async_io_available", lambda: False)  # a machine without libaio
+    with pytest.raises(ShardtuneError) as info:
+        check_combination(_cfg("parallel.backend=deepspeed", "parallel.strategy=zero3", "parallel.offload=params",
+                               f"parallel.offload_nvme_path={tmp_path}"), world=2)
+    assert "apt-get install libaio-dev" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_missing_deepspeed_is_refused_with_the_install_command(monkeypatch):
