@@ -275,22 +275,8 @@ class Checkpointer:
         fmt = checkpoint_format(backend)
         info = {"step": step, "world_size": self.ctx.world, "format": fmt}
         final = step_dir(self.root, step)
-        if fmt == "deepspeed":
-            # The engine writes its own sharded layout (one file per rank) and has no DCP async path.
-            if self.cfg.async_save and self.last_saved_step < 0 and self.ctx.is_main:
-                print("warning: checkpoint.async is ignored by the deepspeed backend; checkpoints are written "
-                      "synchronously", flush=True)
-            backend.save_native(tmp / NATIVE_DIR)
-            _barrier()
-            if self.ctx.is_main:
-                self._finish(None, tmp, final, info)
-            _barrier()
-            self.last_saved_step = step
-            self.last_time = time.monotonic()
-            return time.perf_counter() - t0
-        state = backend.state_dict()
-        if self.cfg.async_save:
-            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group,
+        if fmt == "dcp" and self.cfg.async_save:
+            result = dcp.async_save(backend.state_dict(), checkpoint_id=str(tmp), process_group=self.async_group,
                                     **self._stager_kwargs())
             written = getattr(result, "upload_completion", result)  # newer torch returns a response object
             self.staging = getattr(result, "staging_completion", None)
@@ -299,7 +285,14 @@ class Checkpointer:
             self.pending = (self._executor.submit(self._finish, written, tmp, final, info) if self.ctx.is_main
                             else written)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
+            if fmt == "deepspeed":
+                # The engine writes its own sharded layout (one file per rank) and has no DCP async path.
+                if self.cfg.async_save and self.last_saved_step < 0 and self.ctx.is_main:
+                    print("warning: checkpoint.async is ignored by the deepspeed backend; checkpoints are "
+                          "written synchronously", flush=True)
+                backend.save_native(tmp / NATIVE_DIR)
+            else:
+                dcp.save(backend.state_dict(), checkpoint_id=str(tmp))
             _barrier()
             if self.ctx.is_main:
                 self._finish(None, tmp, final, info)

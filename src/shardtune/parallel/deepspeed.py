@@ -30,6 +30,7 @@ from shardtune.models.attention import model_inputs
 from shardtune.models.build import assert_no_meta, restore_buffers
 from shardtune.models.weights import WeightSource, load_weights, retie, shared_parameters
 from shardtune.parallel.fsdp2 import DTYPES, _jsonable
+from shardtune.parallel.prepare import checkpoint_and_compile
 from shardtune.train.loss import token_loss_sum
 from shardtune.train.optim import build_optimizer, build_scheduler, param_groups
 
@@ -58,14 +59,7 @@ class DeepSpeedBackend:
 
         _init_comm()
         self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
-        if self.parallel.activation_checkpointing == "full":
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.parallel.compile:  # zero0-2 only (validate refuses it with zero3's parameter hooks)
-            for block in blocks:
-                block.compile()
+        checkpoint_and_compile(model, blocks, self.parallel)  # compile: zero0-2 only (validate refuses zero3)
         if self.stage == 3:
             self._materialise_partitioned(model, blocks, weights)
         else:

@@ -26,6 +26,7 @@ from shardtune.config import OptimConfig, ParallelConfig
 from shardtune.dist import DistContext
 from shardtune.models.attention import model_inputs
 from shardtune.models.weights import WeightSource, load_weights
+from shardtune.parallel.prepare import checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
 from shardtune.train.loss import token_loss_sum
 from shardtune.train.optim import build_optimizer, build_scheduler
@@ -53,15 +54,7 @@ class FSDP2Backend:
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None, optim: OptimConfig,
               lr: float, total_steps: int) -> None:
         self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
-        if self.parallel.activation_checkpointing == "full":
-            # Non-reentrant checkpointing composes with FSDP2 and compile; it keeps parameter names.
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.parallel.compile:
-            for block in blocks:
-                block.compile()
+        checkpoint_and_compile(model, blocks, self.parallel)
         # One process has nothing to shard; torchao's NF4 all-gather also fails on a mesh of one.
         if self.parallel.strategy == "ddp" or (self.ctx.world == 1 and any(is_nf4(p) for p in model.parameters())):
             self._setup_ddp(model, weights)
