@@ -13,10 +13,15 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = {"model": {"preset": "tiny-llama"}, "data": {"train_file": "examples/data/tasks.jsonl"}}
 
 
-def test_examples_load():
-    for name in ("tiny.yaml", "llama-1b.yaml"):
+def test_examples_load_and_pass_the_combination_checks():
+    from shardtune.validate import check_combination
+
+    names = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
+    assert {"tiny.yaml", "llama-1b.yaml", "llama-8b-deepspeed-offload.yaml"} <= set(names)
+    for name in names:
         cfg = load_config(ROOT / "examples" / name)
         assert cfg.train.seq_len > 0
+        check_combination(cfg, world=2)  # the DeepSpeed example's config is built and parsed by DeepSpeed too
 
 
 def test_defaults_and_names_users_rely_on():
