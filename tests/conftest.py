@@ -37,3 +37,9 @@ def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600) -> su
 def shardtune(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """The real console entry point, as a user runs it."""
     return run([sys.executable, "-m", "shardtune", *args], timeout)
+
+
+def max_diff(a: list[float], b: list[float], min_len: int = 6) -> float:
+    """Largest difference of two loss trajectories of the same length (at least min_len steps)."""
+    assert len(a) == len(b) >= min_len
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))

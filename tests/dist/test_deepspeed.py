@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, shardtune, torchrun
+from conftest import ROOT, max_diff, shardtune, torchrun
 
 from shardtune.models.init_model import init_model
 
@@ -35,18 +35,13 @@ def results(tmp_path_factory):
             json.loads((tmp / "two" / "results.json").read_text()))
 
 
-def _max_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) >= 6
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.parametrize("variant", DS_FP32)
 def test_deepspeed_matches_unsharded_and_fsdp2(results, variant):
     ref, two = results
     assert two[variant]["world"] == 2
-    assert _max_diff(ref["ddp"]["losses"], two[variant]["losses"]) < 1e-5
+    assert max_diff(ref["ddp"]["losses"], two[variant]["losses"]) < 1e-5
     for fsdp2 in ("zero2", "zero3"):
-        assert _max_diff(two[fsdp2]["losses"], two[variant]["losses"]) < 1e-5
+        assert max_diff(two[fsdp2]["losses"], two[variant]["losses"]) < 1e-5
     assert two[variant]["losses"][-1] < two[variant]["losses"][0]
     assert two[variant]["export_logit_diff"] < 1e-5  # OUTPUT/model reloads through transformers
 
@@ -59,14 +54,14 @@ def test_zero3_partitions_parameters_and_stage2_does_not(results):
 
 def test_bf16_close_to_fp32(results):
     ref, two = results
-    assert _max_diff(ref["ddp"]["losses"], two["zero3:ds:bf16"]["losses"]) < 2e-2
+    assert max_diff(ref["ddp"]["losses"], two["zero3:ds:bf16"]["losses"]) < 2e-2
 
 
 def test_zero3_lora_saves_a_complete_adapter(results):
     # ZeRO-3 + PEFT saving a 40-byte adapter (peft #2892): every adapter tensor must be gathered.
     ref, two = results
     lora = two["zero3:ds:lora"]
-    assert _max_diff(ref["ddp:lora"]["losses"], lora["losses"]) < 1e-5
+    assert max_diff(ref["ddp:lora"]["losses"], lora["losses"]) < 1e-5
     assert lora["adapter_tensors"] == 2 * 7 * 4  # A and B of 7 projections x 4 layers
     assert lora["adapter_nonzero_b"] == 7 * 4  # every B trained away from its zero init
     assert lora["adapter_logit_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = trained model

@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from conftest import ROOT, torchrun
+from conftest import ROOT, max_diff, torchrun
 
 from shardtune.models.init_model import init_model
 
@@ -45,23 +45,18 @@ def results(tmp_path_factory):
     return refs["ddp"], two
 
 
-def _max_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) >= 6
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.parametrize("variant", FP32)
 def test_fp32_trajectory_matches_unsharded(results, variant):
     ref, two = results
     assert two[variant]["world"] == 2 and ref["world"] == 1
-    assert _max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
+    assert max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
     assert ref["losses"][-1] < ref["losses"][0]  # it trains
 
 
 @pytest.mark.parametrize("variant", LOW)
 def test_mixed_precision_close_to_fp32(results, variant):
     ref, two = results
-    assert _max_diff(ref["losses"], two[variant]["losses"]) < 2e-2
+    assert max_diff(ref["losses"], two[variant]["losses"]) < 2e-2
 
 
 @pytest.mark.parametrize("variant", ["zero2", "zero3", "zero3:ac", "zero3:compile"])
@@ -94,7 +89,7 @@ def test_packed_trajectory_matches_unsharded_packed(results, variant):
     # Packed rows (document mask, positions restarting per example) through every strategy:
     # the same global batches as the 1-process run give the same losses.
     two = results[1]
-    assert _max_diff(two["_ref_packed"]["losses"], two[variant]["losses"]) < 1e-5
+    assert max_diff(two["_ref_packed"]["losses"], two[variant]["losses"]) < 1e-5
     assert two[variant]["export_logit_diff"] < 1e-5
 
 
@@ -102,7 +97,7 @@ def test_packed_trajectory_matches_unsharded_packed(results, variant):
 def test_lora_matches_single_process_lora_and_saves_a_loadable_adapter(results, variant):
     two = results[1]
     ref = two["_ref_lora"]
-    assert _max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
+    assert max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
     assert ref["losses"][-1] < ref["losses"][0]
     assert two[variant]["base_weights_diff"] == 0.0  # the base never changes, to the bit
     assert two[variant]["adapter_logit_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = trained
@@ -112,13 +107,13 @@ def test_qlora_zero3_matches_single_process_qlora(results):
     # NF4 codes are the same however the weight is sharded (quantised with the whole weight's mean),
     # so sharded QLoRA follows the one-process QLoRA trajectory; close to bf16-free LoRA too.
     two = results[1]
-    assert _max_diff(two["_ref_qlora"]["losses"], two["zero3:qlora"]["losses"]) < 1e-5
-    assert _max_diff(two["_ref_lora"]["losses"], two["zero3:qlora"]["losses"]) < 3e-2
+    assert max_diff(two["_ref_qlora"]["losses"], two["zero3:qlora"]["losses"]) < 1e-5
+    assert max_diff(two["_ref_lora"]["losses"], two["zero3:qlora"]["losses"]) < 3e-2
     assert two["zero3:qlora"]["adapter_tensors"] == 2 * 7 * 4  # A and B for 7 projections x 4 layers
     assert two["zero3:qlora"]["adapter_nonzero_b"] == 7 * 4  # every B trained away from its zero init
 
 
 def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):
     two = results[1]
-    assert _max_diff(two["_ref_adamw8bit"]["losses"], two["zero3:adamw8bit"]["losses"]) < 2e-2
-    assert _max_diff(two["_ref_full"]["losses"], two["zero3:adamw8bit"]["losses"]) < 5e-2
+    assert max_diff(two["_ref_adamw8bit"]["losses"], two["zero3:adamw8bit"]["losses"]) < 2e-2
+    assert max_diff(two["_ref_full"]["losses"], two["zero3:adamw8bit"]["losses"]) < 5e-2
