@@ -65,6 +65,11 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
     if cfg.peft.method == "qlora" and cfg.peft.use_dora:
         raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
                              "offer here; use peft.method=lora with DoRA, or qlora without it")
+    base, precision = cfg.peft.base_dtype, cfg.train.precision
+    if cfg.peft.method != "none" and base not in ("auto", "fp32", precision):
+        raise ShardtuneError(f"peft.base_dtype: {base} base weights with train.precision={precision} would meet "
+                             f"{precision} activations in the matmuls; set peft.base_dtype=auto (or fp32), or "
+                             f"train.precision={base}")
     if cfg.optim.name == "adamw8bit" and not adamw8bit_available():
         raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
                              "pip install 'shardtune[qlora]'")

@@ -21,6 +21,7 @@ FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
 LORA = ["ddp:lora", "zero2:lora", "zero3:lora"]
+LORA_BF16 = "zero3:lora:bf16"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def results(tmp_path_factory):
     os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(model_dir)
     try:
         torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit"])
-        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, *LOW, "zero3:qlora", "zero3:adamw8bit"])
+        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, LORA_BF16, *LOW, "zero3:qlora", "zero3:adamw8bit"])
     finally:
         os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
     refs = json.loads((tmp / "ref" / "results.json").read_text())
@@ -101,6 +102,18 @@ def test_lora_matches_single_process_lora_and_saves_a_loadable_adapter(results, 
     assert ref["losses"][-1] < ref["losses"][0]
     assert two[variant]["base_weights_diff"] == 0.0  # the base never changes, to the bit
     assert two[variant]["adapter_logit_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = trained
+
+
+def test_lora_bf16_stores_the_frozen_base_in_bf16_and_tracks_fp32_lora(results):
+    # peft.base_dtype=auto: under bf16 the frozen base is stored in bf16 (half the memory; every matmul
+    # ran in bf16 anyway), the adapters keep fp32 masters; the trajectory stays near fp32 LoRA.
+    two = results[1]
+    run = two[LORA_BF16]
+    assert run["dtypes"] == {"trainable": ["float32"], "frozen": ["bfloat16"]}
+    assert two["zero3:lora"]["dtypes"] == {"trainable": ["float32"], "frozen": ["float32"]}
+    assert run["base_weights_diff"] == 0.0  # the bf16 base equals the bf16-rounded initial weights
+    assert max_diff(two["_ref_lora"]["losses"], run["losses"]) < 2e-2
+    assert run["losses"][-1] < run["losses"][0]
 
 
 def test_qlora_zero3_matches_single_process_qlora(results):

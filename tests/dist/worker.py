@@ -88,8 +88,19 @@ def base_weights_diff(backend) -> float:
         if p.requires_grad:
             continue
         full = backend.full_tensor(p)  # collective under sharding: every rank joins
-        worst = max(worst, float((full - source.full(base_name(name), full.shape)).abs().max()))
+        initial = source.full(base_name(name), full.shape).to(full.dtype)  # stored in peft.base_dtype
+        worst = max(worst, float((full.float() - initial.float()).abs().max()))
     return worst
+
+
+def param_dtypes(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Storage dtypes of the trainable and of the frozen parameters (NF4 weights: their own dtype)."""
+    out: dict[str, set[str]] = {"trainable": set(), "frozen": set()}
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if type(local).__name__ != "NF4Tensor":
+            out["trainable" if p.requires_grad else "frozen"].add(str(local.dtype).removeprefix("torch."))
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def deepspeed_partition_fraction(module: torch.nn.Module) -> float | None:
@@ -130,7 +141,8 @@ def main() -> None:
         result = run_training(config_from_dict(BASE, overrides), ctx)
         summary, backend = result.summary, result.backend
         results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
-                            "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module)}
+                            "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module),
+                            "dtypes": param_dtypes(backend.module)}
         if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
             from safetensors.torch import load_file
 

@@ -307,6 +307,8 @@ def test_accelerate_config_values():
      ["parallel.offload_nvme_path: NVMe offload needs parallel.strategy=zero3"]),
     (["parallel.backend=deepspeed"], {"deepspeed": {"zero_optimization": {"stage": 1}}},
      ["deepspeed.zero_optimization.stage: 1 conflicts with parallel.strategy=zero3"]),
+    (["peft.method=lora", "peft.base_dtype=bf16", "train.precision=fp32"], {},
+     ["peft.base_dtype: bf16", "train.precision=fp32", "peft.base_dtype=auto"]),
     (["parallel.backend=deepspeed"], {"deepspeed": {"zero_optimization": {"reduce_bucket_sise": 5}}},
      ["deepspeed: DeepSpeed refuses the config", "reduce_bucket_sise", "Extra inputs are not permitted"]),
 ])
@@ -326,6 +328,8 @@ def test_check_combination_refusals(overrides, raw, fragments):
      "parallel.offload_nvme_path=/tmp"],
     ["parallel.backend=deepspeed", "parallel.strategy=ddp", "parallel.compile=true"],
     ["parallel.strategy=zero3", "parallel.compile=true"],
+    ["peft.method=lora", "peft.base_dtype=fp32"],
+    ["peft.method=qlora", "peft.base_dtype=bf16", "train.precision=bf16"],
 ])
 def test_check_combination_accepts(overrides):
     if any("nvme" in o for o in overrides) and not _async_io_available():

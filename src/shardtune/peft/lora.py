@@ -47,6 +47,30 @@ def apply_lora(model: nn.Module, cfg: PeftConfig, model_type: str) -> nn.Module:
     return wrapped
 
 
+def frozen_dtype(base_dtype: str, precision: str) -> torch.dtype:
+    """The storage dtype of the frozen base: `peft.base_dtype`, auto = the compute precision."""
+    name = precision if base_dtype == "auto" else base_dtype
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen floating-point parameter (NF4 ones excepted) in `dtype`, keeping tied
+    parameters tied; on a meta model this only changes what `to_empty` will allocate. Mixed
+    precision casts the base to the compute dtype for every matmul anyway: an fp32 copy of a frozen
+    weight only costs memory (an 8B base: 32 GB in fp32, 16 GB in bf16). Returns the count cast."""
+    from shardtune.peft.qlora import is_nf4
+
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is None or p.requires_grad or is_nf4(p) or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            module._parameters[attr] = done[id(p)]
+    return len(done)
+
+
 def base_name(name: str) -> str:
     """A PEFT parameter name -> the name of the same tensor in the base model's checkpoint."""
     if name.startswith(_PREFIX):

@@ -61,8 +61,8 @@ Mixed precision (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`)
 For an NF4 parameter FSDP2 takes the all-gather path of the extension: it all-gathers the
 uint8/int8/fp32 data tensors as they are (never cast to param_dtype) and passes param_dtype to
 `fsdp_post_all_gather`, which ignores it (the NF4 weight keeps its original dtype as metadata).
-The linear layer (`F.linear` on an NF4Tensor dispatches to torchao's `linear_nf4`) dequantizes
-to the *activation* dtype, so under a bf16 policy the matmul runs in bf16 like every other
+The linear layer (`NF4Linear`, nf4_linear.py: one fused dequantization kernel on CUDA instead of
+torchao's eager `linear_nf4`, same arithmetic) dequantizes to the *activation* dtype, so under a bf16 policy the matmul runs in bf16 like every other
 layer, and in fp32 under fp32. LoRA A/B parameters, norms and embeddings are ordinary fp32
 parameters: cast to bf16 for the all-gather, gradients reduce-scattered in fp32, the optimizer
 keeps fp32 masters. NF4 parameters never get a gradient (requires_grad False), so they are never
@@ -83,6 +83,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from shardtune.peft.nf4_linear import NF4Linear
 
 # torchao's wheels carry CUDA kernels built for one torch version; NF4 and the 8-bit optimizers are
 # pure Python. Skip loading the kernels unless the user chose otherwise (it only prints warnings on
@@ -173,6 +175,8 @@ def quantize_to_nf4(model: nn.Module, target_names: Callable[[str], bool], *, bl
         with torch.no_grad():
             nf4 = to_nf4(weight.detach().contiguous(), block_size, sbs)
         module.weight = nn.Parameter(nf4, requires_grad=False)
+        if type(module) is nn.Linear:
+            module.__class__ = NF4Linear  # the fused dequantization (nf4_linear.py); same parameters
         done.append(name)
     if skipped:
         warnings.warn(f"NF4: {len(skipped)} linear weights left in full precision: their rows do not split into "

@@ -28,7 +28,7 @@ from shardtune.models.tokenizer import load_tokenizer
 from shardtune.models.weights import make_source
 from shardtune.parallel import make_backend
 from shardtune.parallel.base import Backend
-from shardtune.peft.lora import LoraSource, apply_lora, save_adapter
+from shardtune.peft.lora import LoraSource, apply_lora, cast_frozen, frozen_dtype, save_adapter
 from shardtune.peft.qlora import quantize_to_nf4
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.validate import check_combination
@@ -88,6 +88,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
             # resume among them) quantize the base identically.
             world = 1 if cfg.parallel.strategy == "ddp" else ctx.world
             quantize_to_nf4(model, lambda name: name.endswith(".base_layer"), shard_world=math.lcm(world, 8))
+        cast_frozen(model, frozen_dtype(cfg.peft.base_dtype, t.precision))
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = decoder_blocks(model, hf_config.model_type)

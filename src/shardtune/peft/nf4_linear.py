@@ -1,0 +1,94 @@
+"""The linear layer of a QLoRA base: dequantize the NF4 weight in one fused kernel, then matmul.
+
+torchao's own NF4 linear (`F.linear` on an NF4Tensor) dequantizes with a chain of about twenty
+eager ops in the weight's dtype: int64 code tensors, a gather from the code book, a materialised
+copy of the expanded scales, a stack, then a cast to the activations' dtype. On an H200 that cost
+~7 ms per 8B-shape projection and pass (forward, recompute, backward): QLoRA ran at 0.14x of
+bitsandbytes (bench/RESULTS.md). Here the same arithmetic runs as one function of the NF4 data
+tensors, compiled once per weight shape on CUDA (inductor fuses it into a kernel that reads the
+half-byte codes and writes the weight in the compute dtype directly), and eager elsewhere.
+
+The arithmetic is torchao's, in its order, in the NF4 weight's dtype, cast to the compute dtype
+at the end: eager results equal `weight.get_original_weight().to(dtype)` bit for bit (tested).
+The weight is dequantized again in backward (only the 4-bit weight is kept for it, never the
+full-precision copy), like torchao's `LinearNF4` and bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["NF4Linear", "nf4_dequantize", "nf4_linear"]
+
+
+def _dequantize(codes: torch.Tensor, qscalers: torch.Tensor, qfactor: torch.Tensor, mean: torch.Tensor,
+                code_book: torch.Tensor, block_size: int, scaler_block_size: int, shape: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor:
+    # Second level first: int8 scalers / per-scaler-block factor + mean -> one scale per 64-value block
+    # (torchao's NF4Tensor.dequantize_scalers).
+    scales = (qscalers.view(-1, scaler_block_size) / qfactor.unsqueeze(-1)).flatten().to(mean.dtype) + mean
+    # Each byte holds two consecutive values (high nibble first); a block's 64 values are 32 bytes.
+    pairs = codes.view(-1, block_size // 2)
+    high = code_book[(pairs >> 4).long()] * scales.unsqueeze(-1)
+    low = code_book[(pairs & 0b1111).long()] * scales.unsqueeze(-1)
+    return torch.stack([high, low], dim=-1).reshape(shape).to(dtype)
+
+
+_compiled: Any = None
+
+
+def _kernel(device: torch.device) -> Any:
+    """The compiled dequantization on CUDA (unless SHARDTUNE_NF4_COMPILE=0); eager elsewhere."""
+    global _compiled
+    if device.type != "cuda" or os.environ.get("SHARDTUNE_NF4_COMPILE", "1") == "0":
+        return _dequantize
+    if _compiled is None:
+        _compiled = torch.compile(_dequantize, fullgraph=True)
+    return _compiled
+
+
+def nf4_dequantize(weight: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full-precision weight of an (unsharded) NF4Tensor, in `dtype` (default the weight's)."""
+    return _kernel(weight.quantized_data.device)(
+        weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean,
+        weight.nf4, weight.block_size, weight.scaler_block_size, tuple(weight.shape), dtype or weight.dtype)
+
+
+class _NF4LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: Any, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(weight)  # the 4-bit weight (~1/8 of a bf16 copy), dequantized again below
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        return F.linear(x.to(dtype), nf4_dequantize(weight, dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        (weight,) = ctx.saved_tensors
+        grad_in = grad_out.to(ctx.dtype) @ nf4_dequantize(weight, ctx.dtype)
+        return grad_in.to(ctx.x_dtype), None, None
+
+
+def nf4_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a frozen NF4 weight, computed in the autocast dtype when
+    autocast is on (the DDP path), else in the activations' dtype (FSDP2's mixed precision)."""
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    out = _NF4LinearFunction.apply(x, weight, dtype)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+class NF4Linear(nn.Linear):
+    """An nn.Linear whose weight is a frozen NF4Tensor (`quantize_to_nf4` swaps the class in place;
+    PEFT's LoRA layer still sees an nn.Linear base layer). Any other weight takes nn.Linear's path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.weight).__name__ != "NF4Tensor":
+            return super().forward(x)
+        return nf4_linear(x, self.weight, self.bias)

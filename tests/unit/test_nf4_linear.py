@@ -1,0 +1,75 @@
+"""The fused NF4 linear (peft/nf4_linear.py) against torchao's own dequantization and linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardtune.peft.nf4_linear import NF4Linear, _dequantize, nf4_dequantize, nf4_linear
+from shardtune.peft.qlora import nf4_available, quantize_to_nf4
+
+if not nf4_available():
+    pytest.skip("torchao is not installed (pip install '.[qlora]')", allow_module_level=True)
+
+from torchao.quantization import to_nf4  # noqa: E402
+
+
+def weight(rows: int, cols: int, dtype: torch.dtype, seed: int = 0, sbs: int = 128):
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return to_nf4(w, 64, sbs)
+
+
+@pytest.mark.parametrize("nf4_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_is_torchaos_bit_for_bit(nf4_dtype, out_dtype):
+    w = weight(96, 128, nf4_dtype, sbs=64)
+    assert torch.equal(nf4_dequantize(w, out_dtype), w.get_original_weight().to(out_dtype))
+
+
+def test_linear_forward_and_input_grad_equal_torchaos():
+    w = weight(64, 128, torch.float32, seed=1)
+    x = torch.randn(3, 5, 128, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    ref_x = x.detach().clone().requires_grad_(True)
+    out = nf4_linear(x, w)
+    ref = torch.nn.functional.linear(ref_x, w)  # torchao's LinearNF4, through NF4Tensor.__torch_function__
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(x.grad, ref_x.grad)
+
+
+def test_autocast_computes_in_bf16_and_returns_fp32_input_grads():
+    w = weight(64, 128, torch.float32, seed=3)
+    x = torch.randn(4, 128, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = nf4_linear(x, w)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+    expected = x.detach().bfloat16() @ w.get_original_weight().bfloat16().t()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_quantize_swaps_plain_linears_to_nf4linear_with_bias():
+    model = nn.Sequential(nn.Linear(128, 64, bias=True), nn.ReLU(), nn.Linear(64, 128, bias=False))
+    x = torch.randn(2, 128)
+    quantize_to_nf4(model, lambda name: name in {"0", "2"})
+    assert type(model[0]) is NF4Linear and type(model[2]) is NF4Linear
+    first = x @ model[0].weight.get_original_weight().t() + model[0].bias
+    expected = torch.relu(first) @ model[2].weight.get_original_weight().t()
+    torch.testing.assert_close(model(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_dequantize_equals_eager():
+    """The CUDA path compiles the same function; compile it here with inductor's CPU backend."""
+    w = weight(128, 256, torch.float32, seed=4, sbs=256)
+    args = (w.quantized_data, w.quantized_scalers, w.quantization_factor, w.scaler_mean, w.nf4, w.block_size,
+            w.scaler_block_size, tuple(w.shape))
+    try:
+        compiled = torch.compile(_dequantize, fullgraph=True)
+        got = compiled(*args, torch.bfloat16)
+    except Exception as err:  # no C++ compiler for inductor's CPU backend
+        pytest.skip(f"inductor cannot compile on this machine: {type(err).__name__}")
+    torch.testing.assert_close(got, _dequantize(*args, torch.bfloat16), rtol=0, atol=0)
