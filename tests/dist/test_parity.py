@@ -33,7 +33,8 @@ def results(tmp_path_factory):
     os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(model_dir)
     try:
         torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit"])
-        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, LORA_BF16, *LOW, "zero3:qlora", "zero3:adamw8bit"])
+        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, LORA_BF16, *LOW, "zero3:qlora",
+                     "zero3:adamw8bit"])
     finally:
         os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
     refs = json.loads((tmp / "ref" / "results.json").read_text())

@@ -12,7 +12,7 @@ from shardtune.peft.qlora import nf4_available, quantize_to_nf4
 if not nf4_available():
     pytest.skip("torchao is not installed (pip install '.[qlora]')", allow_module_level=True)
 
-from torchao.quantization import to_nf4  # noqa: E402
+from torchao.quantization import to_nf4
 
 
 def weight(rows: int, cols: int, dtype: torch.dtype, seed: int = 0, sbs: int = 128):

@@ -61,11 +61,13 @@ Mixed precision (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`)
 For an NF4 parameter FSDP2 takes the all-gather path of the extension: it all-gathers the
 uint8/int8/fp32 data tensors as they are (never cast to param_dtype) and passes param_dtype to
 `fsdp_post_all_gather`, which ignores it (the NF4 weight keeps its original dtype as metadata).
-The linear layer (`NF4Linear`, nf4_linear.py: one fused dequantization kernel on CUDA instead of
-torchao's eager `linear_nf4`, same arithmetic) dequantizes to the *activation* dtype, so under a bf16 policy the matmul runs in bf16 like every other
-layer, and in fp32 under fp32. LoRA A/B parameters, norms and embeddings are ordinary fp32
-parameters: cast to bf16 for the all-gather, gradients reduce-scattered in fp32, the optimizer
-keeps fp32 masters. NF4 parameters never get a gradient (requires_grad False), so they are never
+The linear layer (`NF4Linear`, nf4_linear.py: one fused dequantization kernel on CUDA instead
+of torchao's eager `linear_nf4`, same arithmetic) dequantizes to the *activation* dtype, so under
+a bf16 policy the matmul runs in bf16 like every other layer, and in fp32 under fp32. LoRA A/B
+parameters are ordinary fp32 parameters: cast to bf16 for the all-gather, gradients reduce-
+scattered in fp32, the optimizer keeps fp32 masters; the other frozen parameters (norms,
+embeddings) are stored in `peft.base_dtype` (bf16 under bf16). NF4 parameters never get a
+gradient (requires_grad False), so they are never
 reduce-scattered; their bytes are not changed by training.
 
 Checkpoints and export: NF4 parameters are frozen, so `StateDictOptions(ignore_frozen_params=True)`
