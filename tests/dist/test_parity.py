@@ -32,7 +32,8 @@ def results(tmp_path_factory):
     assert (model_dir / "model.safetensors.index.json").is_file()
     os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(model_dir)
     try:
-        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit"])
+        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit",
+                     "zero3:qlora"])
         torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, LORA_BF16, *LOW, "zero3:qlora",
                      "zero3:adamw8bit"])
     finally:
@@ -42,6 +43,7 @@ def results(tmp_path_factory):
     two["_ref_packed"] = refs["ddp:packed"]
     two["_ref_lora"] = refs["ddp:lora"]
     two["_ref_qlora"] = refs["ddp:qlora"]
+    two["_one_zero3_qlora"] = refs["zero3:qlora"]
     two["_ref_adamw8bit"] = refs["ddp:adamw8bit"]
     two["_ref_full"] = refs["ddp"]
     return refs["ddp"], two
@@ -125,6 +127,16 @@ def test_qlora_zero3_matches_single_process_qlora(results):
     assert max_diff(two["_ref_lora"]["losses"], two["zero3:qlora"]["losses"]) < 3e-2
     assert two["zero3:qlora"]["adapter_tensors"] == 2 * 7 * 4  # A and B for 7 projections x 4 layers
     assert two["zero3:qlora"]["adapter_nonzero_b"] == 7 * 4  # every B trained away from its zero init
+
+
+def test_qlora_on_one_process_through_fsdp2_matches_ddp(results):
+    # One process: FSDP2 ignores the NF4 weights (nothing to shard) and does the mixed precision of
+    # the rest; same trajectory as the DDP path, and every trainable parameter is an FSDP2 DTensor.
+    two = results[1]
+    one = two["_one_zero3_qlora"]
+    assert one["world"] == 1
+    assert max_diff(two["_ref_qlora"]["losses"], one["losses"]) < 1e-5
+    assert one["adapter_tensors"] == 2 * 7 * 4 and one["adapter_nonzero_b"] == 7 * 4
 
 
 def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardtune.peft.nf4_linear import NF4Linear, _dequantize, nf4_dequantize, nf4_linear
+from shardtune.peft.nf4_linear import NF4Linear, _dequantize, nf4_dequantize, nf4_inputs, nf4_linear
 from shardtune.peft.qlora import nf4_available, quantize_to_nf4
 
 if not nf4_available():
@@ -62,14 +62,21 @@ def test_quantize_swaps_plain_linears_to_nf4linear_with_bias():
     torch.testing.assert_close(model(x), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_dequantize_equals_eager():
-    """The CUDA path compiles the same function; compile it here with inductor's CPU backend."""
-    w = weight(128, 256, torch.float32, seed=4, sbs=256)
-    args = (w.quantized_data, w.quantized_scalers, w.quantization_factor, w.scaler_mean, w.nf4, w.block_size,
-            w.scaler_block_size, tuple(w.shape))
-    try:
-        compiled = torch.compile(_dequantize, fullgraph=True)
-        got = compiled(*args, torch.bfloat16)
-    except Exception as err:  # no C++ compiler for inductor's CPU backend
-        pytest.skip(f"inductor cannot compile on this machine: {type(err).__name__}")
-    torch.testing.assert_close(got, _dequantize(*args, torch.bfloat16), rtol=0, atol=0)
+def test_compiled_dequantize_equals_eager_for_several_sizes_in_one_graph():
+    """The CUDA path compiles the same function (leading dims dynamic); compile it here with
+    inductor's CPU backend: weights of three sizes, one graph, results equal to eager."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = torch.compile(_dequantize, fullgraph=True)
+    for seed, (rows, cols) in enumerate([(128, 256), (64, 512), (256, 128)]):
+        w = weight(rows, cols, torch.float32, seed=seed, sbs=64)
+        args = nf4_inputs(w)
+        for t in args[:3]:
+            torch._dynamo.mark_dynamic(t, 0)
+        try:
+            got = compiled(*args, torch.bfloat16)
+        except Exception as err:  # no C++ compiler for inductor's CPU backend
+            pytest.skip(f"inductor cannot compile on this machine: {type(err).__name__}")
+        assert torch.equal(got.view(rows, cols), w.get_original_weight().to(torch.bfloat16))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -55,8 +55,7 @@ class FSDP2Backend:
               lr: float, total_steps: int) -> None:
         self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
         checkpoint_and_compile(model, blocks, self.parallel)
-        # One process has nothing to shard; torchao's NF4 all-gather also fails on a mesh of one.
-        if self.parallel.strategy == "ddp" or (self.ctx.world == 1 and any(is_nf4(p) for p in model.parameters())):
+        if self.parallel.strategy == "ddp":
             self._setup_ddp(model, weights)
         else:
             self._setup_fsdp(model, blocks, weights)
@@ -80,11 +79,16 @@ class FSDP2Backend:
         # reduce gradients in fp32 so the sum over ranks loses nothing.
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         reshard = self.parallel.strategy == "zero3"
+        # On a mesh of one there is nothing to shard, and torchao's NF4 all-gather fails there: FSDP2
+        # leaves the NF4 weights alone (plain frozen parameters, moved to the device by load_weights)
+        # and still does the mixed precision of the rest (no autocast: QLoRA's fast path on one GPU).
+        ignored = {p for p in model.parameters() if is_nf4(p)} if self.ctx.world == 1 else set()
         for i, block in enumerate(blocks):
             # The last block's parameters are needed again at once by backward: keep them gathered.
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1,
+                        ignored_params=ignored or None)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored or None)
+        not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) and p not in ignored]
         if not_sharded:
             raise RuntimeError(f"fully_shard left {len(not_sharded)} parameters unsharded, e.g. {not_sharded[:3]}")
         load_weights(model, weights, self.ctx.device)
