@@ -57,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=SIZES, default="tiny")
     ap.add_argument("--out", default="/tmp/shardtune_ckpt")
+    ap.add_argument("--modes", default="sync,async", help="which of sync,async to run (export uses the first)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +66,7 @@ def main() -> None:
                     "--chars", str(SIZES[args.size][1] + 300), "--min-tokens", str(SIZES[args.size][1])],
                    check=True, capture_output=True)
     results = []
-    for async_save in (False, True):
+    for async_save in [m == "async" for m in args.modes.split(",")]:
         results.append(train(args.size, out / ("async" if async_save else "sync"), data, async_save))
         print(json.dumps(results[-1]), flush=True)
     export = {"mode": "export", "rc": None}

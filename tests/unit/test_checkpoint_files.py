@@ -111,3 +111,23 @@ def test_resolve_paths(tmp_path):
     assert resolve_checkpoint(str(tmp_path / "run")) == step  # a run directory: its newest
     with pytest.raises(ShardtuneError, match="no complete checkpoint there"):
         resolve_checkpoint(str(tmp_path / "missing"))
+
+
+def test_a_stager_closed_by_its_staging_is_detected_and_replaced():
+    """torch 2.11's DefaultStager closes its inner stager after each staging (pytorch #183413); a
+    second async_save with it fails. The checkpointer detects that state and makes a new stager."""
+    staging = pytest.importorskip("torch.distributed.checkpoint.staging")
+    from shardtune.checkpoint.dcp import stager_reusable
+
+    stager = staging.DefaultStager(staging.StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                          use_async_staging=True, use_non_blocking_copy=False))
+    try:
+        staged = stager.stage({"w": torch.arange(4.0)}).result()
+        assert torch.equal(staged["w"], torch.arange(4.0))
+        assert stager_reusable(stager) == bool(stager._state_dict_stager._deepcopy_dispatch)
+        stager._state_dict_stager.close()  # what torch 2.11 does at the end of every staging
+        assert not stager_reusable(stager)
+        with pytest.raises(KeyError):  # the failure it prevents
+            stager.stage({"w": torch.arange(4.0), "cls": {"kind": type}}).result()
+    finally:
+        stager.close()

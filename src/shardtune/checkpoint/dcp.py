@@ -225,6 +225,14 @@ def verify(path: Path) -> None:
             raise ShardtuneError(f"{path}: {rel} does not match the manifest (damaged checkpoint)")
 
 
+def stager_reusable(stager: Any) -> bool:
+    """False for a DefaultStager that torch 2.11 closed after its last staging (pytorch #183413):
+    reused, it fails the next save with `KeyError: <class 'type'>`. Found on an H200 with torch 2.11.
+    Such a stager is replaced (its pinned buffers are then allocated again for the next save)."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is None or bool(getattr(inner, "_deepcopy_dispatch", True))
+
+
 class Checkpointer:
     """Decides when to save, writes checkpoints (sync or async), keeps the last K, loads one."""
 
@@ -308,6 +316,9 @@ class Checkpointer:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         except ImportError:  # older torch: staging blocks inside async_save
             return {}
+        if self.stager and not stager_reusable(self.stager):
+            self.stager.close()
+            self.stager = None
         if self.stager is None:
             gpu = self.ctx.device.type == "cuda"
             try:
