@@ -65,8 +65,8 @@ def main() -> None:
     except Exception as err:  # not installed, no CUDA kernels for this GPU
         print(f"bitsandbytes skipped: {type(err).__name__}: {err}")
     # Training dequantizes weights of several sizes through one dynamic-size kernel: compile it so.
-    for rows, cols in [(1024, a.cols), (a.cols, a.cols)]:
-        nf4_dequantize(to_nf4(torch.randn(rows, cols, device=dev), 64, 256), torch.bfloat16)
+    for n, k in [(1024, a.cols), (a.cols, a.cols)]:
+        nf4_dequantize(to_nf4(torch.randn(n, k, device=dev), 64, 256), torch.bfloat16)
     ms = timed_plain(lambda: nf4_dequantize(nf4, torch.bfloat16))
     moved = nf4.numel() * (0.5 + 2)  # read the half-byte codes, write bf16
     print(f"dequantize only: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s")
