@@ -41,7 +41,7 @@ from shardtune.peft.qlora import is_nf4, load_nf4_rows, nf4_bytes, nf4_full_weig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QLORA_STEPS, LORA_LR = 10, 1e-2
-ADAM_STEPS, ADAM_LR = 60, 1e-3
+ADAM_STEPS, ADAM_LR = 200, 1e-3
 
 
 def llama_config(hidden: int, intermediate: int):

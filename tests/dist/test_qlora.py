@@ -5,7 +5,8 @@ Tolerances (max |loss difference| over the trajectory):
   * sharded NF4 + LoRA, bf16   vs the same NF4 model unsharded (fp32):          1e-2 (measured 1.3e-3)
   * sharded NF4 + LoRA         vs LoRA on the unquantized fp32 base, one process: 3e-2 (measured 9e-3;
     NF4 moves each weight by up to 0.15 of its block's absmax)
-  * 60 steps of 8-bit AdamW    vs torch AdamW (loss 5.55 -> 2.29): 0.05 (measured 0.02)
+  * 200 steps of 8-bit AdamW   vs torch AdamW (loss 5.55 -> 0.08): 0.1 over the trajectory (measured
+    0.075, while the loss falls fastest, steps 60-100), 0.01 at the end (measured 0.0016)
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def test_qlora_close_to_lora_on_full_precision_base(results):
 
 def test_adamw8bit_tracks_torch_adamw(results):
     a = results["adamw8bit"]
-    assert a["losses_8bit"][-1] < a["losses_8bit"][0] - 2.0  # it trains (5.5 -> ~2.3)
-    assert max_diff(a["losses_8bit"], a["losses_fp32"], min_len=10) < 0.05
+    assert a["losses_8bit"][-1] < a["losses_8bit"][0] - 5.0  # it trains (5.55 -> 0.08)
+    assert max_diff(a["losses_8bit"], a["losses_fp32"], min_len=200) < 0.1
+    assert abs(a["losses_8bit"][-1] - a["losses_fp32"][-1]) < 0.01
     assert 0.0 < a["lr_after"] < 1e-3  # LambdaLR drove torchao's tensor learning rate
 
 

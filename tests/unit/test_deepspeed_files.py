@@ -344,3 +344,21 @@ def test_cli_train_then_export_a_deepspeed_lora_checkpoint(tmp_path):
     for name, t in final.items():
         assert torch.equal(exported[name].to(torch.bfloat16).float(), t), name
     assert any(not torch.equal(exported[n], final[n]) for n in final)  # finer than bf16: the masters
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant", ["ddp-fp32-lora", "zero1-bf16-lora", "zero3-fp32-lora"])
+def test_lora_checkpoints_hold_no_frozen_weights(ckpts, variant):
+    # DeepSpeed's exclude_frozen_parameters misses the tied LM head (the frozen embedding under a
+    # second name); shardtune drops every name of a frozen parameter, so only adapters are saved.
+    from shardtune.checkpoint.deepspeed_files import load_file
+
+    folder = ckpts / variant / STEP / "deepspeed" / "state"
+    files = sorted(folder.glob("*model_states.pt"))
+    assert files
+    for path in files:
+        module = load_file(path).get("module") or {}
+        frozen = [k for k in module if ".lora_" not in k]
+        assert not frozen, (path.name, frozen[:3])
+    if not variant.startswith("zero3"):  # stages 0-2 keep the module state in mp_rank_00_model_states.pt
+        assert any(".lora_" in k for k in load_file(folder / "mp_rank_00_model_states.pt")["module"])
