@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardtune.peft.nf4_linear import NF4Linear, _dequantize, nf4_dequantize, nf4_inputs, nf4_linear
+from shardtune.peft.nf4_linear import NF4Linear, nf4_dequantize, nf4_linear
 from shardtune.peft.qlora import nf4_available, quantize_to_nf4
 
 if not nf4_available():
@@ -62,21 +62,62 @@ def test_quantize_swaps_plain_linears_to_nf4linear_with_bias():
     torch.testing.assert_close(model(x), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_dequantize_equals_eager_for_several_sizes_in_one_graph():
-    """The CUDA path compiles the same function (leading dims dynamic); compile it here with
-    inductor's CPU backend: weights of three sizes, one graph, results equal to eager."""
+@pytest.fixture
+def compiled_kernel(monkeypatch):
+    """The CUDA path (the dequantization compiled, sizes dynamic) on this CPU: inductor's CPU backend."""
+    import shardtune.peft.nf4_linear as nl
+
+    monkeypatch.setenv("SHARDTUNE_NF4_COMPILE", "always")
+    monkeypatch.setattr(nl, "_compiled", None)
+    try:
+        torch.compile(lambda t: t + 1)(torch.ones(2))
+    except Exception as err:  # no C++ compiler for inductor's CPU backend
+        pytest.skip(f"inductor cannot compile on this machine: {type(err).__name__}")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_dequantize_equals_eager_for_several_sizes_in_one_graph(compiled_kernel):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    compiled = torch.compile(_dequantize, fullgraph=True)
     for seed, (rows, cols) in enumerate([(128, 256), (64, 512), (256, 128)]):
         w = weight(rows, cols, torch.float32, seed=seed, sbs=64)
-        args = nf4_inputs(w)
-        for t in args[:3]:
-            torch._dynamo.mark_dynamic(t, 0)
-        try:
-            got = compiled(*args, torch.bfloat16)
-        except Exception as err:  # no C++ compiler for inductor's CPU backend
-            pytest.skip(f"inductor cannot compile on this machine: {type(err).__name__}")
-        assert torch.equal(got.view(rows, cols), w.get_original_weight().to(torch.bfloat16))
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert torch.equal(nf4_dequantize(w, torch.bfloat16), w.get_original_weight().to(torch.bfloat16))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one kernel for all sizes
+
+
+def _tiny_qlora(compile_blocks: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    # 64 x 64 projections: one scaler block each, so their sizes are specialised by the compiler
+    quantize_to_nf4(model, lambda n: n.endswith(".base_layer"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, 0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    if compile_blocks:  # parallel.compile: each decoder block compiled, the kernel's compile nested in it
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("compile_blocks", [False, True])
+def test_compiled_kernel_in_a_qlora_model_gives_the_eager_loss_and_grads(compiled_kernel, compile_blocks):
+    import os
+
+    loss, grads = _tiny_qlora(compile_blocks)
+    os.environ["SHARDTUNE_NF4_COMPILE"] = "0"  # the reference: eager dequantization (restored by monkeypatch)
+    ref_loss, ref_grads = _tiny_qlora(False)
+    assert abs(loss - ref_loss) < 1e-6
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)

@@ -45,9 +45,11 @@ _compiled: Any = None
 
 
 def _kernel(device: torch.device) -> Any:
-    """The compiled dequantization on CUDA (unless SHARDTUNE_NF4_COMPILE=0); eager elsewhere."""
+    """The compiled dequantization on CUDA, eager elsewhere. SHARDTUNE_NF4_COMPILE=0 turns compiling
+    off, =always compiles on any device (the CPU tests use it to run the compiled path)."""
     global _compiled
-    if device.type != "cuda" or os.environ.get("SHARDTUNE_NF4_COMPILE", "1") == "0":
+    mode = os.environ.get("SHARDTUNE_NF4_COMPILE", "1")
+    if mode == "0" or (device.type != "cuda" and mode != "always"):
         return _dequantize
     if _compiled is None:
         _compiled = torch.compile(_dequantize, fullgraph=True)
@@ -67,8 +69,9 @@ def nf4_dequantize(weight: Any, dtype: torch.dtype | None = None) -> torch.Tenso
     kernel = _kernel(pairs.device)
     if kernel is not _dequantize:  # one kernel for every weight size: no recompile per shape
         for t in (pairs, qscalers, qfactor):
-            if t.shape[0] > 1:  # a dim of size 1 cannot be marked dynamic (dynamo specialises it)
-                torch._dynamo.mark_dynamic(t, 0)
+            # A hint, not a demand: a weight with one scaler block has its sizes specialised (a
+            # hard mark_dynamic then fails the compile).
+            torch._dynamo.maybe_mark_dynamic(t, 0)
     return kernel(pairs, qscalers, qfactor, mean, code_book, dtype or weight.dtype).view(weight.shape)
 
 
