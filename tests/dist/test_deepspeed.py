@@ -102,3 +102,11 @@ def test_resume_from_a_deepspeed_checkpoint(tmp_path):
     assert other.returncode == 2 and "same number" in other.stderr and len(other.stderr.strip().splitlines()) == 1
     fsdp = _train(moved, "parallel.backend=fsdp2", "--resume")
     assert fsdp.returncode == 2 and "deepspeed backend" in fsdp.stderr
+
+
+def test_fp16_on_cpu_is_refused_in_one_line(tmp_path):
+    # DeepSpeed raises "Type fp16 is not supported on your device" with a traceback from every rank.
+    run = _train(tmp_path / "fp16", "train.precision=fp16", "parallel.strategy=zero2")
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "DeepSpeed has no fp16 on CPU" in lines[0] and "Traceback" not in run.stderr

@@ -69,6 +69,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     hf_config = load_hf_config(cfg.model)
     check_vocab(tokenizer, hf_config)
     check_combination(cfg)
+    check_device(cfg, ctx.device)
     t = cfg.train
     data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=ctx.local_rank == 0)
     sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
@@ -225,6 +226,13 @@ def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tens
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(count)
     return count
+
+
+def check_device(cfg: Config, device: torch.device) -> None:
+    """What this machine cannot run (`validate` checks the config alone, wherever it runs)."""
+    if cfg.parallel.backend == "deepspeed" and cfg.train.precision == "fp16" and device.type == "cpu":
+        raise ShardtuneError("train.precision: DeepSpeed has no fp16 on CPU; use train.precision=bf16 or fp32 here "
+                             "(fp16 with deepspeed needs GPUs), or parallel.backend=fsdp2")
 
 
 def check_vocab(tokenizer: Any, hf_config: Any) -> None:
