@@ -121,3 +121,22 @@ def test_compiled_kernel_in_a_qlora_model_gives_the_eager_loss_and_grads(compile
     assert grads.keys() == ref_grads.keys() and grads
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch):
+    import shardtune.peft.nf4_linear as nl
+
+    def broken(*args):
+        raise RuntimeError("Cannot find a working triton installation")
+
+    monkeypatch.setenv("SHARDTUNE_NF4_COMPILE", "always")
+    monkeypatch.setattr(nl, "_compiled", broken)
+    w = weight(64, 128, torch.float32, seed=7)
+    with pytest.warns(UserWarning, match="NF4: compiling the dequantization failed .*triton"):
+        first = nf4_dequantize(w, torch.bfloat16)
+    assert torch.equal(first, w.get_original_weight().to(torch.bfloat16))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the eager kernel is used from now on
+        assert torch.equal(nf4_dequantize(w, torch.bfloat16), first)

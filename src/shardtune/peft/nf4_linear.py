@@ -17,6 +17,7 @@ full-precision copy), like torchao's `LinearNF4` and bitsandbytes.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ def nf4_inputs(weight: Any) -> tuple[torch.Tensor, ...]:
 
 def nf4_dequantize(weight: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The full-precision weight of an (unsharded) NF4Tensor, in `dtype` (default the weight's)."""
+    global _compiled
     pairs, qscalers, qfactor, mean, code_book = nf4_inputs(weight)
     kernel = _kernel(pairs.device)
     if kernel is not _dequantize:  # one kernel for every weight size: no recompile per shape
@@ -72,7 +74,17 @@ def nf4_dequantize(weight: Any, dtype: torch.dtype | None = None) -> torch.Tenso
             # A hint, not a demand: a weight with one scaler block has its sizes specialised (a
             # hard mark_dynamic then fails the compile).
             torch._dynamo.maybe_mark_dynamic(t, 0)
-    return kernel(pairs, qscalers, qfactor, mean, code_book, dtype or weight.dtype).view(weight.shape)
+    args = (pairs, qscalers, qfactor, mean, code_book, dtype or weight.dtype)
+    if kernel is _dequantize:
+        return _dequantize(*args).view(weight.shape)
+    try:
+        return kernel(*args).view(weight.shape)
+    except Exception as err:  # no Triton / no compiler here: train on, slower, and say so once
+        _compiled = _dequantize
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        warnings.warn(f"NF4: compiling the dequantization failed ({type(err).__name__}: {first[:200]}); using "
+                      "the eager version (slower). SHARDTUNE_NF4_COMPILE=0 skips the attempt", stacklevel=2)
+        return _dequantize(*args).view(weight.shape)
 
 
 class _NF4LinearFunction(torch.autograd.Function):
