@@ -249,3 +249,18 @@ def test_qlora_adapter_and_merged_export_equal_the_4bit_model(tmp_path, cache):
     with torch.no_grad():
         diff = (AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits - trained(input_ids=ids).logits)
     assert diff.abs().max() < 1e-4
+
+
+def test_qlora_on_one_process_resumes_exactly(tmp_path, cache):
+    # One process: FSDP2 shards the adapters and ignores the NF4 weights; the checkpoint holds the
+    # adapters and their optimizer state, the 4-bit base is quantised again on resume.
+    qlora = ("peft.method=qlora", "peft.r=8", "checkpoint.save_final=false")
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(full, cache, *qlora, nproc=1)
+    train(part, cache, *qlora, "train.stop_after_step=3", nproc=1)
+    proc = train(part, cache, *qlora, "--resume", nproc=1)
+    assert "resumed from" in proc.stderr
+    a, b = losses(full), losses(part)
+    assert sorted(b) == list(range(1, STEPS + 1))
+    assert max(abs(a[s] - b[s]) for s in a) <= 1e-6
+    assert b[STEPS] < b[1]
