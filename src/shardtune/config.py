@@ -113,7 +113,11 @@ class DataConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    strategy: Literal["ddp", "zero1", "zero2", "zero3"] = "zero3"
+    strategy: Literal["ddp", "zero1", "zero2", "zero3", "hsdp"] = Field(
+        "zero3", description="ddp (replicas), zero1/zero2/zero3 (ZeRO stages), hsdp (zero3 inside groups of "
+                             "shard_size processes, replicated across groups).")
+    shard_size: int | Literal["auto"] = Field("auto", description="hsdp: processes that share one copy of the "
+                                                                  "sharded model; auto = processes per node.")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="The engine behind the strategy: PyTorch "
                                                                         "FSDP2 / DDP, or DeepSpeed ZeRO.")
     nproc: int | Literal["auto"] = Field("auto", description="Processes on this node; auto = all GPUs, or 1 on CPU.")
@@ -125,7 +129,7 @@ class ParallelConfig(_Section):
     offload_nvme_path: str | None = Field(None, description="Offload to NVMe files in this folder instead of CPU "
                                                             "memory (ZeRO-Infinity; zero3 only).")
 
-    @field_validator("nproc")
+    @field_validator("nproc", "shard_size")
     @classmethod
     def _positive(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v < 1:

@@ -73,6 +73,10 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
     if cfg.optim.name == "adamw8bit" and not adamw8bit_available():
         raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
                              "pip install 'shardtune[qlora]'")
+    if world is not None and cfg.parallel.strategy == "hsdp":
+        from shardtune.parallel.fsdp2 import hsdp_shard_size
+
+        hsdp_shard_size(cfg.parallel, world)
     if cfg.parallel.backend == "deepspeed":
         ds = None
         if world is not None:
@@ -113,6 +117,15 @@ def _check_backend(cfg: Config) -> None:
     """Strategy, offload and feature combinations each backend can or cannot run (no imports, no GPU)."""
     p = cfg.parallel
     fsdp2 = p.backend == "fsdp2"
+    if not fsdp2 and p.strategy == "hsdp":
+        raise ShardtuneError("parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; set it, "
+                             "or use parallel.strategy=zero3 with deepspeed")
+    if p.shard_size != "auto" and p.strategy != "hsdp":
+        raise ShardtuneError(f"parallel.shard_size: set, but parallel.strategy is {p.strategy} (only hsdp shards "
+                             "within groups); set parallel.strategy=hsdp, or remove shard_size")
+    if p.strategy == "hsdp" and cfg.peft.method == "qlora":
+        raise ShardtuneError("parallel.strategy: hsdp with peft.method=qlora is not supported yet (NF4 weights are "
+                             "sharded on a 1-D mesh only); use parallel.strategy=zero3")
     if fsdp2 and p.strategy == "zero1":
         raise ShardtuneError("parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
                              "set parallel.backend=deepspeed, or use parallel.strategy=zero2 with fsdp2")

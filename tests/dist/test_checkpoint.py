@@ -90,6 +90,20 @@ def test_reshard_two_process_checkpoint(tmp_path, stopped, reference, cache, npr
     assert max(abs(resumed[s] - reference[s]) for s in range(6, STEPS + 1)) < 1e-5
 
 
+def test_reshard_into_and_out_of_hsdp(tmp_path, stopped, reference, cache):
+    # 2-process zero3 at step 5 -> 4-process hsdp (2 groups of 2) to step 7 -> 2-process zero3 to the end:
+    # DCP loads into and saves from the (replicate, shard) mesh.
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    proc = train(out, cache, "--resume", "train.stop_after_step=7", "parallel.shard_size=2", nproc=4,
+                 strategy="hsdp")
+    assert "resumed from" in proc.stderr and "step-00000005" in proc.stderr
+    train(out, cache, "--resume", nproc=2, strategy="zero3")
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - reference[s]) for s in reference) < 1e-5
+
+
 def test_reshard_one_process_zero2_to_two_process_zero3(tmp_path, reference, cache):
     out = tmp_path / "run"
     train(out, cache, "train.stop_after_step=4", nproc=1, strategy="zero2", accum=4)

@@ -38,8 +38,11 @@ def results(tmp_path_factory):
                      "zero3:adamw8bit"])
     finally:
         os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
+        # HSDP: 2 groups of 2 processes, each group holding one sharded copy (global batch 16 as above).
+        torchrun(4, [WORKER, str(tmp / "four"), "1", "hsdp:s2"])
     refs = json.loads((tmp / "ref" / "results.json").read_text())
     two = json.loads((tmp / "two" / "results.json").read_text())
+    two["_four"] = json.loads((tmp / "four" / "results.json").read_text())
     two["_ref_packed"] = refs["ddp:packed"]
     two["_ref_lora"] = refs["ddp:lora"]
     two["_ref_qlora"] = refs["ddp:qlora"]
@@ -55,6 +58,18 @@ def test_fp32_trajectory_matches_unsharded(results, variant):
     assert two[variant]["world"] == 2 and ref["world"] == 1
     assert max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
     assert ref["losses"][-1] < ref["losses"][0]  # it trains
+
+
+def test_hsdp_matches_unsharded_and_shards_within_groups(results):
+    ref, two = results
+    run = two["_four"]["hsdp:s2"]
+    assert run["world"] == 4
+    assert max_diff(ref["losses"], run["losses"]) < 1e-5
+    rep = run["sharding"]
+    assert rep["all_dtensor"] and rep["mesh"] == ["(2, 2)"]
+    assert rep["placements"] == ["(Replicate(), Shard(dim=0))"]
+    assert rep["local_fraction"] == pytest.approx(0.5, abs=0.02)  # a half per rank: sharded over 2, not 4
+    assert run["export_logit_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("variant", LOW)

@@ -5,7 +5,7 @@
 A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
 compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
 adamw8bit, ds (parallel.backend=deepspeed), offload / offparams (DeepSpeed offload of the optimizer /
-of parameters and optimizer). For each
+of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp). For each
 variant rank 0 records the loss
 trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
 difference between the trained (sharded) model and the Hugging Face directory it exported,
@@ -46,6 +46,7 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ds": "parallel.backend=deepspeed",
            "offload": "parallel.offload=optimizer",
            "offparams": "parallel.offload=params",
+           "s2": "parallel.shard_size=2",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
 
@@ -56,6 +57,8 @@ def sharding_report(module: torch.nn.Module) -> dict[str, object]:
     return {
         "all_dtensor": len(dtensors) == len(params),
         "all_shard0": all(p.placements == (Shard(0),) for p in dtensors.values()),
+        "placements": sorted({str(p.placements) for p in dtensors.values()}),
+        "mesh": sorted({str(tuple(p.device_mesh.shape)) for p in dtensors.values()}),
         "local_fraction": (sum(p.to_local().numel() for p in dtensors.values()) /
                            max(1, sum(p.numel() for p in dtensors.values()))),
     }

@@ -297,3 +297,25 @@ def test_emit_accelerate_fsdp2_loads_in_accelerate(tmp_path, monkeypatch, single
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
     assert plugin.activation_checkpointing is True
     assert str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT")
+
+
+def test_emit_accelerate_hsdp_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env):
+    proc = shardtune("plan", TINY, "parallel.strategy=hsdp", "parallel.shard_size=2", "--nproc", "4",
+                     "--emit", "accelerate")
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(proc.stdout)
+    loaded, env = _accelerate_launch_env(path)
+    assert loaded.distributed_type == "FSDP" and loaded.num_processes == 4
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    from accelerate.parallelism_config import ParallelismConfig
+
+    mesh = ParallelismConfig()  # from the launcher's environment, as in each worker
+    assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 2)
+
+
+def test_plan_hsdp_shard_size_must_divide_the_processes():
+    proc = shardtune("plan", TINY, "parallel.strategy=hsdp", "parallel.shard_size=3", "--nproc", "4")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "parallel.shard_size: 3 does not divide the 4 processes" in proc.stderr

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.errors import ShardtuneError
 from shardtune.models.build import assert_no_meta, restore_buffers
@@ -100,10 +100,12 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
     """
     if not isinstance(t, DTensor):
         return 0, t.shape[0] if t.dim() else 0
-    placements = t.placements
-    assert len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0, placements
-    n, world = t.shape[0], t.device_mesh.size()
-    rank = t.device_mesh.get_local_rank()
+    # FSDP2: (Shard(0),) on a 1-D mesh; HSDP: (Replicate(), Shard(0)) on a (replicate, shard) mesh.
+    dims = [i for i, pl in enumerate(t.placements) if not isinstance(pl, Replicate)]
+    assert len(dims) == 1 and isinstance(t.placements[dims[0]], Shard) and t.placements[dims[0]].dim == 0, \
+        t.placements
+    n, world = t.shape[0], t.device_mesh.size(dims[0])
+    rank = t.device_mesh.get_local_rank(dims[0])
     chunk = -(-n // world)
     start = min(rank * chunk, n)
     return start, min(start + chunk, n)

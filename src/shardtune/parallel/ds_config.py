@@ -159,8 +159,8 @@ def accelerate_config(parallel: ParallelConfig, train: TrainConfig, world_per_no
         "enable_cpu_affinity": False,
         "use_cpu": False,
     }
-    stage = STAGES[parallel.strategy]
     if parallel.backend == "deepspeed":
+        stage = STAGES[parallel.strategy]
         out["distributed_type"] = "DEEPSPEED"
         if ds_config_path is not None:
             del out["mixed_precision"]  # accelerate: "When using `deepspeed_config_file`, ... will be ignored"
@@ -187,13 +187,13 @@ def accelerate_config(parallel: ParallelConfig, train: TrainConfig, world_per_no
         return out
     if parallel.strategy == "ddp":
         return out
-    if parallel.strategy not in ("zero2", "zero3"):
+    if parallel.strategy not in ("zero2", "zero3", "hsdp"):
         raise ConfigError(f"parallel.strategy: {parallel.strategy} has no FSDP2 form; set parallel.backend=deepspeed "
                           "or use parallel.strategy=zero2")
     out["distributed_type"] = "FSDP"
     fsdp: dict[str, Any] = {
         "fsdp_version": 2,
-        "fsdp_reshard_after_forward": parallel.strategy == "zero3",
+        "fsdp_reshard_after_forward": parallel.strategy in ("zero3", "hsdp"),
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_cpu_ram_efficient_loading": True,
@@ -203,6 +203,13 @@ def accelerate_config(parallel: ParallelConfig, train: TrainConfig, world_per_no
     if block_class is not None:
         fsdp["fsdp_transformer_layer_cls_to_wrap"] = block_class
     out["fsdp_config"] = fsdp
+    if parallel.strategy == "hsdp":  # accelerate's FSDP2 hybrid sharding: a (replicate, shard) device mesh
+        shard = world_per_node if parallel.shard_size == "auto" else parallel.shard_size
+        if world_per_node % shard:
+            raise ConfigError(f"parallel.shard_size: {shard} does not divide the {world_per_node} processes; choose "
+                              f"a divisor of {world_per_node}")
+        out["parallelism_config"] = {"parallelism_config_dp_replicate_size": world_per_node // shard,
+                                     "parallelism_config_dp_shard_size": shard}
     return out
 
 

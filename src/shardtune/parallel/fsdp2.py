@@ -74,11 +74,11 @@ class FSDP2Backend:
         self.model = DistributedDataParallel(model, device_ids=ids, init_sync=False)
 
     def _setup_fsdp(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None) -> None:
-        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world,), mesh_dim_names=("fsdp",))
+        mesh = self._mesh()
         # Parameters stay fp32 (the optimizer's master copy); compute in the low precision and
         # reduce gradients in fp32 so the sum over ranks loses nothing.
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        reshard = self.parallel.strategy == "zero3"
+        reshard = self.parallel.strategy in ("zero3", "hsdp")
         # On a mesh of one there is nothing to shard, and torchao's NF4 all-gather fails there: FSDP2
         # leaves the NF4 weights alone (plain frozen parameters, moved to the device by load_weights)
         # and still does the mixed precision of the rest (no autocast: QLoRA's fast path on one GPU).
@@ -93,6 +93,16 @@ class FSDP2Backend:
             raise RuntimeError(f"fully_shard left {len(not_sharded)} parameters unsharded, e.g. {not_sharded[:3]}")
         load_weights(model, weights, self.ctx.device)
         self.module = self.model = model
+
+    def _mesh(self) -> Any:
+        """1-D over all processes; hsdp: (replicate, shard), so a model copy is sharded over shard_size
+        processes (one node by default) and gradients are reduce-scattered inside the group and
+        all-reduced across groups (FSDP2's HSDP)."""
+        world = self.ctx.world
+        if self.parallel.strategy != "hsdp":
+            return init_device_mesh(self.ctx.device.type, (world,), mesh_dim_names=("fsdp",))
+        shard = hsdp_shard_size(self.parallel, world)
+        return init_device_mesh(self.ctx.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
     def _grad_scaler(self) -> torch.amp.GradScaler:
         if self.parallel.strategy == "ddp":
@@ -180,6 +190,21 @@ class FSDP2Backend:
         """Collective for a sharded parameter: its whole tensor on every rank."""
         t = param.detach()
         return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def hsdp_shard_size(parallel: ParallelConfig, world: int) -> int:
+    """parallel.shard_size, auto = the processes of one node (torchrun's LOCAL_WORLD_SIZE); it must divide
+    the number of processes."""
+    import os
+
+    from shardtune.errors import ShardtuneError
+
+    size = parallel.shard_size
+    shard = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if size == "auto" else size
+    if shard > world or world % shard:
+        raise ShardtuneError(f"parallel.shard_size: {shard} does not divide the {world} processes into equal groups; "
+                             f"choose a divisor of {world} (processes per node is usual), or parallel.strategy=zero3")
+    return shard
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
