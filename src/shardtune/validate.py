@@ -123,9 +123,6 @@ def _check_backend(cfg: Config) -> None:
     if p.shard_size != "auto" and p.strategy != "hsdp":
         raise ShardtuneError(f"parallel.shard_size: set, but parallel.strategy is {p.strategy} (only hsdp shards "
                              "within groups); set parallel.strategy=hsdp, or remove shard_size")
-    if p.strategy == "hsdp" and cfg.peft.method == "qlora":
-        raise ShardtuneError("parallel.strategy: hsdp with peft.method=qlora is not supported yet (NF4 weights are "
-                             "sharded on a 1-D mesh only); use parallel.strategy=zero3")
     if fsdp2 and p.strategy == "zero1":
         raise ShardtuneError("parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
                              "set parallel.backend=deepspeed, or use parallel.strategy=zero2 with fsdp2")

@@ -39,7 +39,7 @@ def results(tmp_path_factory):
     finally:
         os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
         # HSDP: 2 groups of 2 processes, each group holding one sharded copy (global batch 16 as above).
-        torchrun(4, [WORKER, str(tmp / "four"), "1", "hsdp:s2"])
+        torchrun(4, [WORKER, str(tmp / "four"), "1", "hsdp:s2", "hsdp:s2:qlora"])
     refs = json.loads((tmp / "ref" / "results.json").read_text())
     two = json.loads((tmp / "two" / "results.json").read_text())
     two["_four"] = json.loads((tmp / "four" / "results.json").read_text())
@@ -70,6 +70,15 @@ def test_hsdp_matches_unsharded_and_shards_within_groups(results):
     assert rep["placements"] == ["(Replicate(), Shard(dim=0))"]
     assert rep["local_fraction"] == pytest.approx(0.5, abs=0.02)  # a half per rank: sharded over 2, not 4
     assert run["export_logit_diff"] < 1e-5
+
+
+def test_qlora_under_hsdp_matches_single_process_qlora(results):
+    # The NF4 weights are sharded over each group's 2 ranks (NF4's all-gather on the shard dimension)
+    # and quantised with the whole weight's statistics, so the 1-process QLoRA trajectory is kept.
+    two = results[1]
+    run = two["_four"]["hsdp:s2:qlora"]
+    assert max_diff(two["_ref_qlora"]["losses"], run["losses"]) < 1e-5
+    assert run["adapter_tensors"] == 2 * 7 * 4 and run["adapter_nonzero_b"] == 7 * 4
 
 
 @pytest.mark.parametrize("variant", LOW)

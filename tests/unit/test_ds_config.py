@@ -309,7 +309,6 @@ def test_accelerate_config_values():
      ["deepspeed.zero_optimization.stage: 1 conflicts with parallel.strategy=zero3"]),
     (["parallel.backend=deepspeed", "parallel.strategy=hsdp"], {}, ["parallel.strategy: hsdp", "backend=fsdp2"]),
     (["parallel.shard_size=2"], {}, ["parallel.shard_size: set, but parallel.strategy is zero3"]),
-    (["parallel.strategy=hsdp", "peft.method=qlora"], {}, ["hsdp with peft.method=qlora", "strategy=zero3"]),
     (["parallel.strategy=hsdp", "parallel.shard_size=4"], {}, ["parallel.shard_size: 4 does not divide the 2"]),
     (["peft.method=lora", "peft.base_dtype=bf16", "train.precision=fp32"], {},
      ["peft.base_dtype: bf16", "train.precision=fp32", "peft.base_dtype=auto"]),
@@ -333,6 +332,7 @@ def test_check_combination_refusals(overrides, raw, fragments):
     ["parallel.backend=deepspeed", "parallel.strategy=ddp", "parallel.compile=true"],
     ["parallel.strategy=zero3", "parallel.compile=true"],
     ["peft.method=lora", "peft.base_dtype=fp32"],
+    ["parallel.strategy=hsdp", "parallel.shard_size=2", "peft.method=qlora"],
     ["peft.method=qlora", "peft.base_dtype=bf16", "train.precision=bf16"],
 ])
 def test_check_combination_accepts(overrides):

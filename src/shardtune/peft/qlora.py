@@ -215,7 +215,7 @@ def load_nf4_rows(param: torch.Tensor, rows: torch.Tensor, *, group: dist.Proces
     if tuple(rows.shape) != tuple(local.shape):
         raise ValueError(f"load_nf4_rows: rows have shape {tuple(rows.shape)}, the local shard {tuple(local.shape)}")
     if group is None and hasattr(param, "device_mesh"):
-        group = param.device_mesh.get_group()
+        group = _shard_mesh(param).get_group()
     device, dtype = local.quantized_data.device, local.dtype
     bs, sbs = local.block_size, local.scaler_block_size
     x = rows.to(device=device, dtype=dtype).contiguous()
@@ -242,6 +242,18 @@ def load_nf4_rows(param: torch.Tensor, rows: torch.Tensor, *, group: dist.Proces
     local.quantization_factor.copy_(factor)
     local.scaler_mean = mean
     local.nf4 = code_book
+
+
+def _shard_mesh(param: Any) -> Any:
+    """The 1-D mesh a sharded parameter's rows are split over: the whole mesh under FSDP2, the shard
+    dimension under HSDP ((Replicate(), Shard(0)) placements), as FSDP2 hands it to NF4's all-gather."""
+    mesh = param.device_mesh
+    if mesh.ndim == 1:
+        return mesh
+    from torch.distributed.tensor import Shard
+
+    dim = next(i for i, pl in enumerate(param.placements) if isinstance(pl, Shard))
+    return mesh[mesh.mesh_dim_names[dim]]
 
 
 def nf4_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -271,8 +283,8 @@ def nf4_full_weight(param: torch.Tensor, dtype: torch.dtype | None = None) -> to
     """The whole weight, dequantized, on every rank (collective when sharded: all-gathers the 4-bit
     data, ~1/8 of the bytes of an fp32 gather). For export (merging LoRA) and tests."""
     local = _local(param)
-    if hasattr(param, "device_mesh") and param.device_mesh.size() > 1:
-        mesh = param.device_mesh
+    mesh = _shard_mesh(param) if hasattr(param, "device_mesh") else None
+    if mesh is not None and mesh.size() > 1:
         inputs, meta = local.fsdp_pre_all_gather(mesh)
         world = mesh.size()
         gathered = []
