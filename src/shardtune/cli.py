@@ -178,9 +178,11 @@ def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
     elif p.strategy == "ddp":
         engine = "torch DDP (replicated)"
     elif p.strategy == "hsdp":
-        shard = world if p.shard_size == "auto" else p.shard_size
-        engine = (f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // max(shard, 1)}, "
-                  f"shard {shard}) mesh")
+        from shardtune.parallel.fsdp2 import hsdp_shard_size
+
+        shard = hsdp_shard_size(p, world, world)  # checked by check_combination before this runs
+        engine = f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard " \
+                 f"{shard}) mesh"
     else:
         engine = f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"
     offload = {"none": "none", "optimizer": "optimizer states", "params": "parameters and optimizer states"}[p.offload]

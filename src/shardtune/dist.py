@@ -82,3 +82,14 @@ def clean_exit(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def shard_mesh_dim(t: torch.Tensor) -> int:
+    """The mesh dimension a sharded DTensor's rows are split over: 0 under FSDP2 ((Shard(0),)), the
+    shard dimension under HSDP ((Replicate(), Shard(0))). Every other dimension must replicate."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims = [i for i, pl in enumerate(t.placements) if not isinstance(pl, Replicate)]
+    if len(dims) != 1 or not isinstance(t.placements[dims[0]], Shard) or t.placements[dims[0]].dim != 0:
+        raise AssertionError(f"expected rows sharded on one mesh dimension, got {t.placements}")
+    return dims[0]

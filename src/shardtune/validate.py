@@ -76,7 +76,7 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
     if world is not None and cfg.parallel.strategy == "hsdp":
         from shardtune.parallel.fsdp2 import hsdp_shard_size
 
-        hsdp_shard_size(cfg.parallel, world)
+        hsdp_shard_size(cfg.parallel, world, world)  # `world` here: the processes per node
     if cfg.parallel.backend == "deepspeed":
         ds = None
         if world is not None:

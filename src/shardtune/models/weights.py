@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
+from shardtune.dist import shard_mesh_dim
 from shardtune.errors import ShardtuneError
 from shardtune.models.build import assert_no_meta, restore_buffers
 from shardtune.peft.qlora import is_nf4, load_nf4_rows, nf4_unmaterialised
@@ -100,12 +101,9 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
     """
     if not isinstance(t, DTensor):
         return 0, t.shape[0] if t.dim() else 0
-    # FSDP2: (Shard(0),) on a 1-D mesh; HSDP: (Replicate(), Shard(0)) on a (replicate, shard) mesh.
-    dims = [i for i, pl in enumerate(t.placements) if not isinstance(pl, Replicate)]
-    assert len(dims) == 1 and isinstance(t.placements[dims[0]], Shard) and t.placements[dims[0]].dim == 0, \
-        t.placements
-    n, world = t.shape[0], t.device_mesh.size(dims[0])
-    rank = t.device_mesh.get_local_rank(dims[0])
+    dim = shard_mesh_dim(t)
+    n, world = t.shape[0], t.device_mesh.size(dim)
+    rank = t.device_mesh.get_local_rank(dim)
     chunk = -(-n // world)
     start = min(rank * chunk, n)
     return start, min(start + chunk, n)

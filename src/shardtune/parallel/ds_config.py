@@ -204,10 +204,9 @@ def accelerate_config(parallel: ParallelConfig, train: TrainConfig, world_per_no
         fsdp["fsdp_transformer_layer_cls_to_wrap"] = block_class
     out["fsdp_config"] = fsdp
     if parallel.strategy == "hsdp":  # accelerate's FSDP2 hybrid sharding: a (replicate, shard) device mesh
-        shard = world_per_node if parallel.shard_size == "auto" else parallel.shard_size
-        if world_per_node % shard:
-            raise ConfigError(f"parallel.shard_size: {shard} does not divide the {world_per_node} processes; choose "
-                              f"a divisor of {world_per_node}")
+        from shardtune.parallel.fsdp2 import hsdp_shard_size
+
+        shard = hsdp_shard_size(parallel, world_per_node, world_per_node)
         out["parallelism_config"] = {"parallelism_config_dp_replicate_size": world_per_node // shard,
                                      "parallelism_config_dp_shard_size": shard}
     return out

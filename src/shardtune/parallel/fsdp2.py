@@ -12,6 +12,7 @@ fully_shard each decoder block -> fully_shard the root -> materialise and load e
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardtune.config import OptimConfig, ParallelConfig
 from shardtune.dist import DistContext
+from shardtune.errors import ShardtuneError
 from shardtune.models.attention import model_inputs
 from shardtune.models.weights import WeightSource, load_weights
 from shardtune.parallel.prepare import checkpoint_and_compile
@@ -101,7 +103,7 @@ class FSDP2Backend:
         world = self.ctx.world
         if self.parallel.strategy != "hsdp":
             return init_device_mesh(self.ctx.device.type, (world,), mesh_dim_names=("fsdp",))
-        shard = hsdp_shard_size(self.parallel, world)
+        shard = hsdp_shard_size(self.parallel, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         return init_device_mesh(self.ctx.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
     def _grad_scaler(self) -> torch.amp.GradScaler:
@@ -192,15 +194,10 @@ class FSDP2Backend:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def hsdp_shard_size(parallel: ParallelConfig, world: int) -> int:
-    """parallel.shard_size, auto = the processes of one node (torchrun's LOCAL_WORLD_SIZE); it must divide
-    the number of processes."""
-    import os
-
-    from shardtune.errors import ShardtuneError
-
-    size = parallel.shard_size
-    shard = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if size == "auto" else size
+def hsdp_shard_size(parallel: ParallelConfig, world: int, per_node: int) -> int:
+    """parallel.shard_size (auto = `per_node`, the processes of one node); it must divide the `world`
+    processes into equal groups."""
+    shard = per_node if parallel.shard_size == "auto" else parallel.shard_size
     if shard > world or world % shard:
         raise ShardtuneError(f"parallel.shard_size: {shard} does not divide the {world} processes into equal groups; "
                              f"choose a divisor of {world} (processes per node is usual), or parallel.strategy=zero3")

@@ -68,15 +68,14 @@ def nf4_dequantize(weight: Any, dtype: torch.dtype | None = None) -> torch.Tenso
     """The full-precision weight of an (unsharded) NF4Tensor, in `dtype` (default the weight's)."""
     global _compiled
     pairs, qscalers, qfactor, mean, code_book = nf4_inputs(weight)
-    kernel = _kernel(pairs.device)
-    if kernel is not _dequantize:  # one kernel for every weight size: no recompile per shape
-        for t in (pairs, qscalers, qfactor):
-            # A hint, not a demand: a weight with one scaler block has its sizes specialised (a
-            # hard mark_dynamic then fails the compile).
-            torch._dynamo.maybe_mark_dynamic(t, 0)
     args = (pairs, qscalers, qfactor, mean, code_book, dtype or weight.dtype)
+    kernel = _kernel(pairs.device)
     if kernel is _dequantize:
         return _dequantize(*args).view(weight.shape)
+    for t in (pairs, qscalers, qfactor):  # one kernel for every weight size: no recompile per shape
+        # A hint, not a demand: a weight with one scaler block has its sizes specialised (a hard
+        # mark_dynamic then fails the compile).
+        torch._dynamo.maybe_mark_dynamic(t, 0)
     try:
         return kernel(*args).view(weight.shape)
     except Exception as err:  # no Triton / no compiler here: train on, slower, and say so once

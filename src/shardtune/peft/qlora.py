@@ -86,6 +86,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtune.dist import shard_mesh_dim
 from shardtune.peft.nf4_linear import NF4Linear
 
 # torchao's wheels carry CUDA kernels built for one torch version; NF4 and the 8-bit optimizers are
@@ -248,12 +249,7 @@ def _shard_mesh(param: Any) -> Any:
     """The 1-D mesh a sharded parameter's rows are split over: the whole mesh under FSDP2, the shard
     dimension under HSDP ((Replicate(), Shard(0)) placements), as FSDP2 hands it to NF4's all-gather."""
     mesh = param.device_mesh
-    if mesh.ndim == 1:
-        return mesh
-    from torch.distributed.tensor import Shard
-
-    dim = next(i for i, pl in enumerate(param.placements) if isinstance(pl, Shard))
-    return mesh[mesh.mesh_dim_names[dim]]
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[shard_mesh_dim(param)]]
 
 
 def nf4_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
