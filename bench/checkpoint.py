@@ -5,8 +5,12 @@
 
 Two runs of the same model and data, saving every `--every` steps, one with synchronous and one
 with asynchronous (DCP async_save) checkpoints; each logs every step, so a step that saved shows
-the time the loop was blocked (`checkpoint_s`, included in its step time). Then `shardtune export`
-of the last checkpoint to a bf16 Hugging Face directory, timed.
+the time the loop was blocked (`checkpoint_s`, included in its step time), and the record after a
+save's phases end shows how long they took (`checkpoint_staging_s`: copy to host memory;
+`checkpoint_write_s`: until the checkpoint is complete and in place). "extra s during the save" adds
+up, over the steps from the save until its write ended, how much longer they took than the median
+step: the cost of a save to training (target for async: at most the staging time). Then
+`shardtune export` of the last checkpoint to a bf16 Hugging Face directory, timed.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ SIZES = {  # preset, seq_len, micro-batch, precision, steps, save every, process
 }
 
 
-def train(size: str, out: Path, data: Path, async_save: bool) -> dict:
-    preset, seq, mbs, prec, steps, every, nproc = SIZES[size]
+def train(size: str, out: Path, data: Path, async_save: bool, steps: int | None, every: int | None) -> dict:
+    preset, seq, mbs, prec, steps_, every_, nproc = SIZES[size]
+    steps, every = steps or steps_, every or every_
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
            f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
            f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}",
@@ -41,16 +46,34 @@ def train(size: str, out: Path, data: Path, async_save: bool) -> dict:
     steps_ = [r for r in recs if "loss" in r and r["step"] > 2]
     saving = [r for r in steps_ if r.get("checkpoint_s")]
     plain = [r["step_time_s"] for r in steps_ if not r.get("checkpoint_s")]
+    median = statistics.median(plain) if plain else None
     ckpt = sorted((out / "checkpoints").glob("step-*"))
     size_gb = sum(f.stat().st_size for f in ckpt[-1].rglob("*") if f.is_file()) / 1e9 if ckpt else 0
     return {"mode": "async" if async_save else "sync", "rc": proc.returncode, "wall_s": time.time() - t0,
-            "step_s": statistics.median(plain) if plain else None,
-            "save_step_s": [round(r["step_time_s"], 3) for r in saving],
+            "step_s": median, "save_step_s": [round(r["step_time_s"], 3) for r in saving],
             "blocked_s": [round(r["checkpoint_s"], 3) for r in saving],
+            "staging_s": [round(r["checkpoint_staging_s"], 3) for r in steps_ if "checkpoint_staging_s" in r],
+            "write_s": [round(r["checkpoint_write_s"], 3) for r in steps_ if "checkpoint_write_s" in r],
+            "extra_s": [round(x, 3) for x in _extra_during_saves(steps_, median)] if median else [],
             # the steps right after an async save overlap with its write
             "after_save_step_s": [round(r["step_time_s"], 3) for r in steps_
                                   if any(r["step"] == s["step"] + 1 for s in saving)],
             "checkpoint_gb": round(size_gb, 2), "last": str(ckpt[-1]) if ckpt else None}
+
+
+def _extra_during_saves(records: list[dict], median: float) -> list[float]:
+    """Per save: the summed excess over the median step time, from the step that saved to the record
+    that reports its write done (log.every=1: one record per step)."""
+    out, extra = [], None
+    for r in records:
+        if r.get("checkpoint_s") and extra is None:
+            extra = 0.0
+        if extra is not None:
+            extra += r["step_time_s"] - median
+            if "checkpoint_write_s" in r:
+                out.append(extra)
+                extra = None
+    return out
 
 
 def main() -> None:
@@ -58,6 +81,8 @@ def main() -> None:
     ap.add_argument("--size", choices=SIZES, default="tiny")
     ap.add_argument("--out", default="/tmp/shardtune_ckpt")
     ap.add_argument("--modes", default="sync,async", help="which of sync,async to run (export uses the first)")
+    ap.add_argument("--steps", type=int, default=None, help="train.max_steps (default: per size)")
+    ap.add_argument("--every", type=int, default=None, help="checkpoint.every_steps (default: per size)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +92,8 @@ def main() -> None:
                    check=True, capture_output=True)
     results = []
     for async_save in [m == "async" for m in args.modes.split(",")]:
-        results.append(train(args.size, out / ("async" if async_save else "sync"), data, async_save))
+        results.append(train(args.size, out / ("async" if async_save else "sync"), data, async_save, args.steps,
+                             args.every))
         print(json.dumps(results[-1]), flush=True)
     export = {"mode": "export", "rc": None}
     if results[0]["last"]:
@@ -77,11 +103,12 @@ def main() -> None:
         export.update(rc=proc.returncode, wall_s=round(time.time() - t0, 1), err=proc.stderr[-500:])
     (out / "checkpoint_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*results, export]))
     print(f"\n{args.size}: {SIZES[args.size]}")
-    print("| mode | rc | checkpoint GB | median step s | step s when saving | blocked s | next step s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | rc | checkpoint GB | median step s | loop blocked s | staging s | write s | next step s "
+          "| extra s during the save |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['mode']} | {r['rc']} | {r['checkpoint_gb']} | {r['step_s']} | {r['save_step_s']} | "
-              f"{r['blocked_s']} | {r['after_save_step_s']} |")
+        print(f"| {r['mode']} | {r['rc']} | {r['checkpoint_gb']} | {r['step_s']} | {r['blocked_s']} | "
+              f"{r['staging_s']} | {r['write_s']} | {r['after_save_step_s']} | {r['extra_s']} |")
     print(f"export (bf16 HF dir): rc {export['rc']}, {export.get('wall_s')} s")
 
 

@@ -6,7 +6,7 @@
 A run is METHOD:NPROC[:c] (c: parallel.compile=true, each decoder block compiled).
 shardtune: the preset of --size, long random text (full rows), seq 2048,
 micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
-Baselines: bench/hf_peft_baseline.py (HF Trainer + PEFT, gradient checkpointing; QLoRA through
+Baselines: bench/hf_trainer_baseline.py (HF Trainer + PEFT, gradient checkpointing; QLoRA through
 bitsandbytes NF4 + double quantisation). Prints a table last; ratios are against the baseline of
 the same method and GPU count measured in the same call.
 """
@@ -53,7 +53,7 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
 def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs: int) -> dict:
     seq = PRESETS[size][1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "bench" / "hf_peft_baseline.py"), "--mode", method, "--size", size, "--seq", str(seq),
+           str(ROOT / "bench" / "hf_trainer_baseline.py"), "--mode", method, "--size", size, "--seq", str(seq),
            "--mbs", str(mbs), "--steps", str(steps)]
     proc = _run(cmd)
     (out / f"hf_{method}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)

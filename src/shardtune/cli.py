@@ -229,6 +229,9 @@ def _emit_deepspeed(cfg: Any, world: int) -> None:
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     hint = (f"# matching TrainingArguments (launch {world} processes, e.g. torchrun --nproc-per-node {world}):\n"
             f"#   TrainingArguments(output_dir=..., deepspeed='ds_config.json', {args})")
+    if cfg.parallel.offload != "none" and cfg.optim.weight_decay > 0:
+        hint += ("\n# note: with offload the config names DeepSpeed's AdamW (DeepSpeedCPUAdam), which decays every "
+                 "weight, norms and biases too; shardtune and Trainer's own AdamW leave those out")
     if cfg.optim.schedule == "linear" and cfg.optim.min_lr_ratio > 0:
         hint += "\n# note: Trainer's linear schedule decays to 0; optim.min_lr_ratio has no TrainingArguments form"
     print(hint, file=sys.stderr)

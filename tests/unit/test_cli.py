@@ -222,6 +222,13 @@ def test_emit_deepspeed_is_accepted_by_training_arguments(tmp_path, single_proce
     assert "auto" not in json.dumps(filled)  # Trainer filled every placeholder
     parsed = DeepSpeedConfig(filled)  # and DeepSpeed takes the result
     assert parsed.zero_optimization_stage == emitted["zero_optimization"]["stage"]
+    if cfg.parallel.offload == "none":  # Trainer builds torch AdamW (no decay on norms and biases, as shardtune)
+        assert "optimizer" not in emitted
+    else:  # the host-side step: DeepSpeed's AdamW (DeepSpeedCPUAdam), with Trainer's values
+        assert filled["optimizer"] == {"type": "AdamW", "params": {
+            "lr": cfg.train.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
+            "weight_decay": cfg.optim.weight_decay}}
+        assert parsed.optimizer_name == "adamw"
     # "auto", not shardtune's numbers: TrainingArguments that differ from the shardtune config are accepted too.
     other = _training_args(tmp_path, str(path), use_cpu=cfg.train.precision == "bf16",
                            **{**kwargs, "per_device_train_batch_size": 3, "gradient_accumulation_steps": 5,

@@ -77,9 +77,11 @@ def trainer_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, optim
     settings, with "auto" for every key TrainingArguments also sets, so TrainingArguments(deepspeed=...)
     never reports 'Please correct the following DeepSpeed config values that mismatch TrainingArguments values'.
 
-    No optimizer or scheduler block: Trainer then builds torch AdamW (biases and norm weights without weight
-    decay, like shardtune) and its own LR schedule from trainer_arguments(); with offload that client
-    optimizer is allowed by zero_force_ds_cpu_optimizer false (see _generated).
+    No scheduler block: Trainer steps its own LR schedule from trainer_arguments(). No optimizer block either
+    without offload: Trainer then builds torch AdamW (biases and norm weights without weight decay, like
+    shardtune). With offload the AdamW step runs on the host, where torch AdamW is several times slower than
+    DeepSpeed's vectorised DeepSpeedCPUAdam (what shardtune's own backend uses there), so the config names
+    DeepSpeed's AdamW with "auto" parameters, which Trainer fills from TrainingArguments.
     """
     cfg = _build(parallel, train, optim, extra, world, allow_auto=TRAINER_HIDDEN_SIZE_AUTO)
     for path in TRAINER_AUTO:
@@ -87,6 +89,8 @@ def trainer_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, optim
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = "auto"
+    if parallel.offload != "none":
+        cfg["optimizer"] = {"type": "AdamW", "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")}
     return cfg
 
 

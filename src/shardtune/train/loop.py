@@ -146,11 +146,12 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         if state.step % cfg.log.every == 0 or state.step == stop:
             record = interval.flush(state.step, lr, grad_norm, fpt, peak, ctx)
             record["epoch"] = step // sampler.steps_per_epoch
+            record.update(ckpt.pop_timings())
             state.history.append(record)
             logger.log(record)
         if t.eval_every and state.step % t.eval_every == 0 and state.step != total_steps:
             run_eval(state.step)
-    ckpt.wait()
+    ckpt.close()
     finished = state.step >= total_steps
     if finished:
         run_eval(total_steps)

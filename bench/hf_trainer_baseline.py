@@ -1,9 +1,13 @@
-"""Reference point for LoRA / QLoRA: Hugging Face Trainer + PEFT (+ bitsandbytes NF4 for QLoRA).
+"""Reference points users know: Hugging Face Trainer (+ PEFT, + bitsandbytes, + a DeepSpeed config).
 
-    torchrun --nproc_per_node=N bench/hf_peft_baseline.py --mode lora|qlora --size 8b [--steps 20]
+    torchrun --nproc_per_node=N bench/hf_trainer_baseline.py --mode lora|qlora --size 8b [--steps 20]
+    torchrun --nproc_per_node=N bench/hf_trainer_baseline.py --mode full --size 1b --mbs 4 --no-ac \
+        --deepspeed ds.json      # e.g. written by `shardtune plan CONFIG --emit deepspeed`
 
-Random-init Llama shape, random token ids, LoRA r=16 on every linear layer of the blocks, seq 2048,
-micro-batch 2, gradient checkpointing, bf16: the recipe most users start from (HF + PEFT docs).
+Random-init Llama shape, random token ids, seq 2048, bf16. lora / qlora: LoRA r=16 on every linear layer
+of the blocks, micro-batch 2, gradient checkpointing: the recipe most users start from (HF + PEFT docs).
+full: every weight trains (fp32 weights, as HF Trainer + DeepSpeed holds them), through the DeepSpeed
+config given (TrainingArguments is built before the model, so ZeRO-3 initialises partitioned).
 Prints one line `RESULT {json}` on rank 0 (tokens/s per GPU: median step; peak memory: max over ranks).
 QLoRA needs bitsandbytes and a GPU; with several GPUs it runs data-parallel (each GPU holds the
 whole 4-bit model: bitsandbytes' 4-bit weights cannot be sharded by FSDP2).
@@ -61,6 +65,8 @@ def build(args: argparse.Namespace):
     else:
         with _init_device():
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    if args.mode == "full":
+        return cfg, AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
     return cfg, get_peft_model(model, lora)
 
@@ -69,17 +75,26 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["lora", "qlora"], default="lora")
+    ap.add_argument("--mode", choices=["lora", "qlora", "full"], default="lora")
     ap.add_argument("--size", choices=list(SIZES), default="8b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--no-ac", action="store_true", help="no gradient checkpointing")
+    ap.add_argument("--deepspeed", default=None, help="a DeepSpeed config file for TrainingArguments")
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    cfg, model = build(args)
     gpu = torch.cuda.is_available()
+    # Before the model: with a ZeRO-3 config, from_config then builds it partitioned (deepspeed.zero.Init).
+    targs = TrainingArguments(output_dir=f"/tmp/hf_trainer_out_{args.mode}", per_device_train_batch_size=args.mbs,
+                              max_steps=args.steps, learning_rate=1e-4 if args.mode != "full" else 1e-5,
+                              bf16=gpu, logging_steps=10**6, save_strategy="no", report_to=[],
+                              dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=not args.no_ac,
+                              use_cpu=not gpu, gradient_checkpointing_kwargs={"use_reentrant": False},
+                              deepspeed=args.deepspeed)
+    cfg, model = build(args)
     times: list[float] = []
 
     class Timer(TrainerCallback):
@@ -94,11 +109,6 @@ def main() -> None:
             if s.global_step > args.warmup:
                 times.append(time.perf_counter() - self.t0)
 
-    targs = TrainingArguments(output_dir=f"/tmp/hf_peft_out_{args.mode}", per_device_train_batch_size=args.mbs,
-                              max_steps=args.steps, learning_rate=1e-4, bf16=gpu, logging_steps=10**6,
-                              save_strategy="no", report_to=[], dataloader_num_workers=0, disable_tqdm=True,
-                              gradient_checkpointing=True, use_cpu=not gpu,
-                              gradient_checkpointing_kwargs={"use_reentrant": False})
     world = targs.world_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.mbs * world * (args.steps + 1), args.seq), generator=g)
@@ -110,7 +120,8 @@ def main() -> None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     med = sorted(times)[len(times) // 2] if times else float("nan")
     if int(os.environ.get("RANK", 0)) == 0:
-        print("RESULT " + json.dumps({"mode": f"hf_peft_{args.mode}", "size": args.size, "world": world,
+        mode = f"hf_peft_{args.mode}" if args.mode != "full" else "hf_trainer" + ("_ds" if args.deepspeed else "")
+        print("RESULT " + json.dumps({"mode": mode, "size": args.size, "world": world,
                                       "seq": args.seq, "mbs": args.mbs, "step_s_median": round(med, 4),
                                       "tokens_per_s_per_gpu": round(args.mbs * args.seq / med),
                                       "peak_alloc_gib": round(float(peak[0]), 2),
