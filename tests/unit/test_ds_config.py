@@ -236,8 +236,10 @@ def test_trainer_config_is_the_same_with_auto_for_trainer_keys():
     concrete = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, {}, 2)
     assert trainer["zero_optimization"]["offload_param"] == concrete["zero_optimization"]["offload_param"]
     assert trainer["zero_optimization"]["stage"] == 3 and trainer["zero_optimization"]["sub_group_size"] == 10**8
-    assert "optimizer" not in trainer and "scheduler" not in trainer
-    assert trainer["zero_force_ds_cpu_optimizer"] is False  # Trainer's torch AdamW under offload
+    assert "scheduler" not in trainer  # Trainer steps its own schedule
+    # With offload the host-side step runs in DeepSpeed's AdamW (DeepSpeedCPUAdam), filled in by Trainer.
+    assert trainer["optimizer"] == {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                                "weight_decay": "auto"}}
 
 
 def test_trainer_arguments_match_the_config():
@@ -312,6 +314,8 @@ def test_accelerate_config_values():
     (["parallel.strategy=hsdp", "parallel.shard_size=4"], {}, ["parallel.shard_size: 4 does not divide the 2"]),
     (["peft.method=lora", "peft.base_dtype=bf16", "train.precision=fp32"], {},
      ["peft.base_dtype: bf16", "train.precision=fp32", "peft.base_dtype=auto"]),
+    (["parallel.strategy=zero2", "train.precision=fp16", "optim.fused=true"], {},
+     ["optim.fused: true", "train.precision=fp16", "optim.fused=auto"]),
     (["parallel.backend=deepspeed"], {"deepspeed": {"zero_optimization": {"reduce_bucket_sise": 5}}},
      ["deepspeed: DeepSpeed refuses the config", "reduce_bucket_sise", "Extra inputs are not permitted"]),
 ])
@@ -334,6 +338,8 @@ def test_check_combination_refusals(overrides, raw, fragments):
     ["peft.method=lora", "peft.base_dtype=fp32"],
     ["parallel.strategy=hsdp", "parallel.shard_size=2", "peft.method=qlora"],
     ["peft.method=qlora", "peft.base_dtype=bf16", "train.precision=bf16"],
+    ["parallel.strategy=ddp", "train.precision=fp16", "optim.fused=true"],
+    ["parallel.backend=deepspeed", "parallel.strategy=zero2", "train.precision=fp16", "optim.fused=true"],
 ])
 def test_check_combination_accepts(overrides):
     if any("nvme" in o for o in overrides) and not _async_io_available():
@@ -366,3 +372,17 @@ def test_missing_deepspeed_is_refused_with_the_install_command(monkeypatch):
 
 def test_deepspeed_accepts_probe_uses_world_of_one():
     check_deepspeed_accepts(_ds(world=8, extra={}))  # train_batch_size 8 would fail DeepSpeed's world-1 check as is
+
+
+def test_fused_adamw_is_left_out_only_for_sharded_fp16():
+    """fp16 under FSDP2 sharding: the sharded gradient scaler's overflow flag breaks fused AdamW (found on a GPU,
+    reproduced on CPU with optim.fused=true), so auto takes foreach AdamW there and the fused kernel elsewhere."""
+    import torch
+
+    from shardtune.train.optim import use_fused
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert use_fused(_cfg().optim, gpu, sharded_fp16=False)
+    assert not use_fused(_cfg().optim, gpu, sharded_fp16=True)
+    assert not use_fused(_cfg().optim, cpu, sharded_fp16=False)
+    assert use_fused(_cfg("optim.fused=true").optim, cpu, sharded_fp16=False)

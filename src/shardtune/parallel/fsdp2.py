@@ -61,7 +61,8 @@ class FSDP2Backend:
             self._setup_ddp(model, weights)
         else:
             self._setup_fsdp(model, blocks, weights)
-        self.optimizer = build_optimizer(self.module.named_parameters(), optim, lr, self.ctx.device)
+        self.optimizer = build_optimizer(self.module.named_parameters(), optim, lr, self.ctx.device,
+                                         sharded_fp16=self.precision == "fp16" and self.parallel.strategy != "ddp")
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
         self.max_grad_norm = optim.max_grad_norm
         if self.precision == "fp16":

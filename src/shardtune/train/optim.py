@@ -12,15 +12,24 @@ from shardtune.config import OptimConfig
 
 
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], optim: OptimConfig, lr: float,
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, *, sharded_fp16: bool = False) -> torch.optim.Optimizer:
     """AdamW; biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer."""
     groups = param_groups(named_params, optim.weight_decay)
     if optim.name == "adamw8bit":
         from shardtune.peft.optim8bit import build_adamw8bit
 
         return build_adamw8bit(groups, lr, optim.betas, optim.eps, optim.weight_decay)
-    fused = device.type == "cuda" if optim.fused == "auto" else bool(optim.fused)
-    return torch.optim.AdamW(groups, lr=lr, betas=optim.betas, eps=optim.eps, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=optim.betas, eps=optim.eps,
+                             fused=use_fused(optim, device, sharded_fp16))
+
+
+def use_fused(optim: OptimConfig, device: torch.device, sharded_fp16: bool) -> bool:
+    """optim.fused: auto = the fused kernel on GPUs, except for fp16 under FSDP2 sharding: there the sharded
+    gradient scaler hands the optimizer a shape-[1] overflow flag, on which fused AdamW fails (`output with
+    shape [] doesn't match the broadcast shape [1]`; found on an H200, reproduced on CPU), so foreach AdamW."""
+    if optim.fused == "auto":
+        return device.type == "cuda" and not sharded_fp16
+    return bool(optim.fused)
 
 
 def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
