@@ -223,7 +223,10 @@ def _generated(parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig,
     stage = STAGES[parallel.strategy]
     zero: dict[str, Any] = {"stage": stage}
     if stage >= 1:  # stage 0 is plain data parallelism: no partitioned buckets to overlap or pack
-        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=BUCKET_SIZE)
+        # Overlapping the gradient reduction with backward pays off only when there is a reduction to hide: on
+        # one GPU it only adds a stream and bucket copies (measured on an H200, 1B zero2: 0.93x of HF Trainer +
+        # DeepSpeed with it, 1.00x without).
+        zero.update(overlap_comm=world > 1, contiguous_gradients=True, reduce_bucket_size=BUCKET_SIZE)
     if stage in (1, 2):
         zero["allgather_bucket_size"] = BUCKET_SIZE
     if stage == 3:
