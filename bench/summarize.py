@@ -7,7 +7,8 @@ Two ways to name the runs:
 
 A shardtune run is read from its metrics.jsonl (eval records, ``"eval": true``, are skipped); its
 steady state is the median over logged records whose ``step`` is above ``--warmup`` (each record
-covers ``log.every`` steps, so compile and warm-up stay out). A baseline run is read from the last
+covers ``log.every`` steps, so compile and warm-up stay out; records that include a checkpoint save
+are left out too). A baseline run is read from the last
 ``RESULT {json}`` line of its log (hf_baseline.py already reports a median step time after warm-up).
 Ratios are tokens/s/GPU of the row divided by the reference run's (``--ref``, default hf_ds2),
 measured in the same call.
@@ -113,6 +114,11 @@ def summarize_shardtune(name: str, metrics_path: str | Path, warmup: int) -> dic
         out["status"] = "no-data"
         return out
     steady = [r for r in train if r.get("step", 0) > warmup]
+    # A record whose interval held a checkpoint save times the save, not training.
+    saved = [r for r in steady if r.get("checkpoint_s")]
+    if saved and len(saved) < len(steady):
+        steady = [r for r in steady if not r.get("checkpoint_s")]
+        out["skipped_checkpoint_steps"] = [r.get("step") for r in saved]
     if not steady:
         steady = train[-1:]
         out["warmup_fallback"] = True  # run too short: only the last record, warm-up included

@@ -43,6 +43,16 @@ def test_steady_state_median_skips_warmup_and_eval(tmp_path: Path) -> None:
     assert abs(r["fill"] - 1.0) < 1e-9
 
 
+def test_records_that_include_a_checkpoint_save_are_left_out(tmp_path: Path) -> None:
+    m = _metrics(tmp_path / "z" / "metrics.jsonl", {5: 1000.0, 10: 2000.0, 15: 40000.0, 20: 38000.0, 25: 900.0})
+    rows = [json.loads(line) for line in m.read_text().splitlines()]
+    rows[4]["checkpoint_s"] = 40.0  # the last interval wrote the end-of-run checkpoint
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = summarize.summarize_shardtune("z", m, warmup=10)
+    assert r["steady_steps"] == [15, 20] and r["skipped_checkpoint_steps"] == [25]
+    assert r["tokens_per_s_per_gpu"] == 39000.0  # not 38000, the median with the save's interval in
+
+
 def test_short_run_falls_back_to_last_record(tmp_path: Path) -> None:
     m = _metrics(tmp_path / "a" / "metrics.jsonl", {5: 1000.0, 10: 2000.0})
     r = summarize.summarize_shardtune("a", m, warmup=10)
