@@ -1,5 +1,5 @@
 """The DeepSpeed backend on 2 gloo processes: loss parity with FSDP2 and the unsharded run (fp32),
-ZeRO-3 partitioning, CPU offload, bf16, LoRA under ZeRO-3 (a complete adapter, never an empty one),
+ZeRO-3 partitioning, CPU and NVMe offload, bf16, LoRA under ZeRO-3 (a complete adapter, never an empty one),
 export through transformers, and resume from DeepSpeed's own checkpoint format."""
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ import pytest
 from conftest import ROOT, max_diff, shardtune, torchrun
 
 from shardtune.models.init_model import init_model
+from shardtune.validate import _async_io_available
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("deepspeed")
 
 WORKER = str(ROOT / "tests" / "dist" / "worker.py")
-DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero2:ds:offload", "zero3:ds:offparams"]
+# NVMe offload needs DeepSpeed's async I/O op, built on first use against libaio (.ci/run installs it).
+NVME = _async_io_available()
+DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero2:ds:offload", "zero3:ds:offparams",
+           *(["zero3:ds:nvme"] if NVME else [])]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
 
@@ -31,8 +35,10 @@ def results(tmp_path_factory):
         torchrun(2, [WORKER, str(tmp / "two"), "2", "zero2", "zero3", *DS_FP32, "zero3:ds:lora", "zero3:ds:bf16"])
     finally:
         os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
-    return (json.loads((tmp / "ref" / "results.json").read_text()),
-            json.loads((tmp / "two" / "results.json").read_text()))
+    two = json.loads((tmp / "two" / "results.json").read_text())
+    two["nvme_swap_files"] = sorted(str(p.relative_to(tmp / "two" / "nvme"))
+                                    for p in (tmp / "two" / "nvme").rglob("*.swp") if p.stat().st_size > 0)
+    return json.loads((tmp / "ref" / "results.json").read_text()), two
 
 
 @pytest.mark.parametrize("variant", DS_FP32)
@@ -44,6 +50,15 @@ def test_deepspeed_matches_unsharded_and_fsdp2(results, variant):
         assert max_diff(two[fsdp2]["losses"], two[variant]["losses"]) < 1e-5
     assert two[variant]["losses"][-1] < two[variant]["losses"][0]
     assert two[variant]["export_logit_diff"] < 1e-5  # OUTPUT/model reloads through transformers
+
+
+def test_nvme_offload_keeps_the_optimizer_states_in_the_folder(results):
+    if not NVME:
+        pytest.skip("libaio is not installed here (.ci/run installs it): DeepSpeed's async I/O op cannot build")
+    swapped = results[1]["nvme_swap_files"]  # its losses are checked with the other variants above
+    for rank in (0, 1):
+        assert any(f"rank{rank}/exp_avg-" in f for f in swapped), swapped
+        assert any(f"rank{rank}/exp_avg_sq-" in f for f in swapped), swapped
 
 
 def test_zero3_partitions_parameters_and_stage2_does_not(results):

@@ -4,7 +4,7 @@
 
 A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
 compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
-adamw8bit, ds (parallel.backend=deepspeed), offload / offparams (DeepSpeed offload of the optimizer /
+adamw8bit, ds (parallel.backend=deepspeed), offload / offparams / nvme (DeepSpeed offload of the optimizer /
 of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp). For each
 variant rank 0 records the loss
 trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
@@ -46,6 +46,7 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ds": "parallel.backend=deepspeed",
            "offload": "parallel.offload=optimizer",
            "offparams": "parallel.offload=params",
+           "nvme": "parallel.offload=optimizer parallel.offload_nvme_path={nvme_dir}",
            "s2": "parallel.shard_size=2",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
@@ -138,7 +139,10 @@ def main() -> None:
     results = {}
     for variant in variants:
         strategy, *opts = variant.split(":")
-        extra = " ".join(OPTIONS[o] for o in opts).format(model_dir=os.environ.get("SHARDTUNE_TEST_MODEL_DIR"))
+        nvme_dir = out / "nvme"  # DeepSpeed's swap folder for optimizer states (one subfolder per rank)
+        nvme_dir.mkdir(parents=True, exist_ok=True)
+        extra = " ".join(OPTIONS[o] for o in opts).format(model_dir=os.environ.get("SHARDTUNE_TEST_MODEL_DIR"),
+                                                          nvme_dir=nvme_dir)
         overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}",
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
         result = run_training(config_from_dict(BASE, overrides), ctx)
