@@ -79,9 +79,10 @@ def trainer_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, optim
 
     No scheduler block: Trainer steps its own LR schedule from trainer_arguments(). No optimizer block either
     without offload: Trainer then builds torch AdamW (biases and norm weights without weight decay, like
-    shardtune). With offload the AdamW step runs on the host, where torch AdamW is several times slower than
-    DeepSpeed's vectorised DeepSpeedCPUAdam (what shardtune's own backend uses there), so the config names
-    DeepSpeed's AdamW with "auto" parameters, which Trainer fills from TrainingArguments.
+    shardtune). With offload the AdamW step runs on the host, where DeepSpeed's vectorised DeepSpeedCPUAdam
+    (what shardtune's own backend uses there) beats torch AdamW (1B, ZeRO-3 + offload, one H200: 5,497 vs
+    4,971 tokens/s), so the config names DeepSpeed's AdamW with "auto" parameters, which Trainer fills from
+    TrainingArguments.
     """
     cfg = _build(parallel, train, optim, extra, world, allow_auto=TRAINER_HIDDEN_SIZE_AUTO)
     for path in TRAINER_AUTO:
