@@ -1,7 +1,7 @@
 """Resumable sharded checkpoints with torch.distributed.checkpoint (DCP).
 
 A checkpoint is a directory `step-NNNNNNNN/` holding:
-  *.distcp + .metadata   model and optimizer state, one shard file per rank (DCP): loads on any
+  *.distcp + .metadata   model and optimizer state, WRITE_THREADS shard files per rank (DCP): loads on any
                          world size and across zero2 / zero3 / ddp, DCP reshards on load
   deepspeed/state/       instead, for the deepspeed backend: the engine's own files (resume on the
                          same number of processes; `shardtune export` reads any of them)
