@@ -158,10 +158,13 @@ def _check_backend(cfg: Config) -> None:
         raise ShardtuneError("optim.name: adamw8bit needs parallel.backend=fsdp2 (its torchao 8-bit states follow "
                              "FSDP2's sharded parameters); use optim.name=adamw with deepspeed (parallel.offload="
                              "optimizer also saves GPU memory), or parallel.backend=fsdp2")
-    if fsdp2 and p.strategy != "ddp" and cfg.train.precision == "fp16" and cfg.optim.fused is True:
-        raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused AdamW "
-                             "fails on the sharded gradient scaler's overflow flag); set optim.fused=auto (foreach "
-                             "AdamW then), or train.precision=bf16")
+    if fsdp2 and cfg.optim.fused is True:
+        from shardtune.parallel.fsdp2 import uses_sharded_scaler
+
+        if uses_sharded_scaler(p, cfg.train.precision):
+            raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
+                                 "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
+                                 "(foreach AdamW then), or train.precision=bf16")
     if fsdp2 and cfg.deepspeed:
         raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")

@@ -283,8 +283,8 @@ class Checkpointer:
         self.last_saved_step = -1
         self.last_time = time.monotonic()
         # Seconds the phases of a save took, set as they end (an async save's from its threads) and
-        # handed to the next log record: checkpoint_staging_s (copy to host), checkpoint_write_s (until
-        # the checkpoint is complete and in place; rank 0's, which waits for every rank).
+        # handed to the next log record (rank 0's): checkpoint_staging_s (copy to host),
+        # checkpoint_write_s (until rank 0 has put the checkpoint, every rank's files in it, in place).
         self.timings: dict[str, float] = {}
         self._timings_lock = threading.Lock()
         # Async saves run their collectives from a background thread on CPU tensors: a gloo group.
@@ -334,8 +334,6 @@ class Checkpointer:
             self.staging = getattr(result, "staging_completion", None)
             if self.staging is not None:
                 self.staging.add_done_callback(lambda _: self._timed("checkpoint_staging_s", started))
-            if not self.ctx.is_main:
-                written.add_done_callback(lambda _: self._timed("checkpoint_write_s", started))
             # Rank 0's future completes once every rank has written (DCP gathers their results);
             # the manifest and the rename then happen off the training thread too.
             self.pending = (self._executor.submit(self._finish, written, tmp, final, info, started) if self.ctx.is_main
@@ -353,7 +351,6 @@ class Checkpointer:
             if self.ctx.is_main:
                 self._finish(None, tmp, final, info, started)
             _barrier()
-            self._timed("checkpoint_write_s", started)
         self.last_saved_step = step
         self.last_time = time.monotonic()
         return time.perf_counter() - t0

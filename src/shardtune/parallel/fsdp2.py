@@ -62,7 +62,7 @@ class FSDP2Backend:
         else:
             self._setup_fsdp(model, blocks, weights)
         self.optimizer = build_optimizer(self.module.named_parameters(), optim, lr, self.ctx.device,
-                                         sharded_fp16=self.precision == "fp16" and self.parallel.strategy != "ddp")
+                                         sharded_fp16=uses_sharded_scaler(self.parallel, self.precision))
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
         self.max_grad_norm = optim.max_grad_norm
         if self.precision == "fp16":
@@ -108,7 +108,7 @@ class FSDP2Backend:
         return init_device_mesh(self.ctx.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
     def _grad_scaler(self) -> torch.amp.GradScaler:
-        if self.parallel.strategy == "ddp":
+        if not uses_sharded_scaler(self.parallel, self.precision):
             return torch.amp.GradScaler(self.ctx.device.type)
         # Each rank sees only its gradient shard: the sharded scaler agrees on inf/NaN across ranks.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -193,6 +193,12 @@ class FSDP2Backend:
         """Collective for a sharded parameter: its whole tensor on every rank."""
         t = param.detach()
         return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def uses_sharded_scaler(parallel: ParallelConfig, precision: str) -> bool:
+    """fp16 under FSDP2 sharding (any strategy but ddp): gradients are shards, so loss scaling goes through
+    ShardedGradScaler, whose overflow flag fused AdamW cannot take (see train.optim.use_fused)."""
+    return precision == "fp16" and parallel.strategy != "ddp"
 
 
 def hsdp_shard_size(parallel: ParallelConfig, world: int, per_node: int) -> int:
