@@ -9,7 +9,8 @@ the time the loop was blocked (`checkpoint_s`, included in its step time), and t
 save's phases end shows how long they took (`checkpoint_staging_s`: copy to host memory;
 `checkpoint_write_s`: until the checkpoint is complete and in place). "extra s during the save" adds
 up, over the steps from the save until its write ended, how much longer they took than the median
-step: the cost of a save to training (target for async: at most the staging time). Then
+step: the cost of a save to training (target for async: at most the staging time); the same sum over
+as many steps just before the save shows its noise. Then
 `shardtune export` of the last checkpoint to a bf16 Hugging Face directory, timed.
 """
 
@@ -30,14 +31,19 @@ SIZES = {  # preset, seq_len, micro-batch, precision, steps, save every, process
 }
 
 
-def train(size: str, out: Path, data: Path, async_save: bool, steps: int | None, every: int | None) -> dict:
+MODES = {"sync": ("false", "auto"), "async": ("true", "auto"), "async-thread": ("true", "thread"),
+         "async-process": ("true", "process")}  # checkpoint.async, checkpoint.async_writer
+
+
+def train(size: str, out: Path, data: Path, mode: str, steps: int | None, every: int | None) -> dict:
     preset, seq, mbs, prec, steps_, every_, nproc = SIZES[size]
     steps, every = steps or steps_, every or every_
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
            f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
            f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}",
            "log.every=1", "log.progress=false", "checkpoint.save_final=false", "parallel.strategy=zero3",
-           f"checkpoint.every_steps={every}", f"checkpoint.async={str(async_save).lower()}",
+           f"checkpoint.every_steps={every}", f"checkpoint.async={MODES[mode][0]}",
+           f"checkpoint.async_writer={MODES[mode][1]}",
            "checkpoint.keep_last=1", "checkpoint.at_end=false", f"train.output_dir={out}"]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -49,12 +55,13 @@ def train(size: str, out: Path, data: Path, async_save: bool, steps: int | None,
     median = statistics.median(plain) if plain else None
     ckpt = sorted((out / "checkpoints").glob("step-*"))
     size_gb = sum(f.stat().st_size for f in ckpt[-1].rglob("*") if f.is_file()) / 1e9 if ckpt else 0
-    return {"mode": "async" if async_save else "sync", "rc": proc.returncode, "wall_s": time.time() - t0,
+    return {"mode": mode, "rc": proc.returncode, "wall_s": time.time() - t0,
             "step_s": median, "save_step_s": [round(r["step_time_s"], 3) for r in saving],
             "blocked_s": [round(r["checkpoint_s"], 3) for r in saving],
             "staging_s": [round(r["checkpoint_staging_s"], 3) for r in steps_ if "checkpoint_staging_s" in r],
             "write_s": [round(r["checkpoint_write_s"], 3) for r in steps_ if "checkpoint_write_s" in r],
             "extra_s": [round(x, 3) for x in _extra_during_saves(steps_, median)] if median else [],
+            "control_s": [round(x, 3) for x in _extra_before_saves(steps_, median)] if median else [],
             # the steps right after an async save overlap with its write
             "after_save_step_s": [round(r["step_time_s"], 3) for r in steps_
                                   if any(r["step"] == s["step"] + 1 for s in saving)],
@@ -76,11 +83,28 @@ def _extra_during_saves(records: list[dict], median: float) -> list[float]:
     return out
 
 
+def _extra_before_saves(records: list[dict], median: float) -> list[float]:
+    """The same sum over as many steps right before each save, where no save runs: how much such a sum
+    varies without one (the noise of "extra s")."""
+    out, start = [], None
+    for i, r in enumerate(records):
+        if r.get("checkpoint_s") and start is None:
+            start = i
+        if start is not None and "checkpoint_write_s" in r:
+            window = records[max(0, 2 * start - i - 1):start]
+            if len(window) == i - start + 1 and not any(w.get("checkpoint_s") or "checkpoint_write_s" in w
+                                                       for w in window):
+                out.append(sum(w["step_time_s"] - median for w in window))
+            start = None
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=SIZES, default="tiny")
     ap.add_argument("--out", default="/tmp/shardtune_ckpt")
-    ap.add_argument("--modes", default="sync,async", help="which of sync,async to run (export uses the first)")
+    ap.add_argument("--modes", default="sync,async", help=f"which of {','.join(MODES)} to run (export uses the "
+                    "first)")
     ap.add_argument("--steps", type=int, default=None, help="train.max_steps (default: per size)")
     ap.add_argument("--every", type=int, default=None, help="checkpoint.every_steps (default: per size)")
     args = ap.parse_args()
@@ -91,9 +115,8 @@ def main() -> None:
                     "--chars", str(SIZES[args.size][1] + 300), "--min-tokens", str(SIZES[args.size][1])],
                    check=True, capture_output=True)
     results = []
-    for async_save in [m == "async" for m in args.modes.split(",")]:
-        results.append(train(args.size, out / ("async" if async_save else "sync"), data, async_save, args.steps,
-                             args.every))
+    for mode in args.modes.split(","):
+        results.append(train(args.size, out / mode, data, mode, args.steps, args.every))
         print(json.dumps(results[-1]), flush=True)
     export = {"mode": "export", "rc": None}
     if results[0]["last"]:
@@ -104,11 +127,11 @@ def main() -> None:
     (out / "checkpoint_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*results, export]))
     print(f"\n{args.size}: {SIZES[args.size]}")
     print("| mode | rc | checkpoint GB | median step s | loop blocked s | staging s | write s | next step s "
-          "| extra s during the save |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| extra s during the save | same sum, as many steps before it |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['mode']} | {r['rc']} | {r['checkpoint_gb']} | {r['step_s']} | {r['blocked_s']} | "
-              f"{r['staging_s']} | {r['write_s']} | {r['after_save_step_s']} | {r['extra_s']} |")
+              f"{r['staging_s']} | {r['write_s']} | {r['after_save_step_s']} | {r['extra_s']} | {r['control_s']} |")
     print(f"export (bf16 HF dir): rc {export['rc']}, {export.get('wall_s')} s")
 
 

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import make_long_text
@@ -108,3 +110,15 @@ def test_nonzero_exit_after_finishing_keeps_status_ok(tmp_path: Path) -> None:
     (m.parent / "summary.json").write_text("{}")
     r = summarize.summarize_entry({"name": "z", "kind": "shardtune", "rc": 1, "metrics": str(m), "log": None}, 10)
     assert r["status"] == "ok"
+
+
+def test_checkpoint_bench_sums_the_excess_during_a_save_and_over_as_many_steps_before_it():
+    import checkpoint
+
+    times = {3: 1.0, 4: 1.2, 5: 0.9, 6: 1.0, 7: 3.0, 8: 1.5, 9: 1.0, 10: 1.0}
+    recs = [{"step": s, "step_time_s": t} for s, t in times.items()]
+    recs[4]["checkpoint_s"] = 0.1  # step 7 saved; its write ended in step 8's record
+    recs[5]["checkpoint_write_s"] = 4.0
+    assert checkpoint._extra_during_saves(recs, 1.0) == pytest.approx([2.0 + 0.5])
+    assert checkpoint._extra_before_saves(recs, 1.0) == pytest.approx([-0.1 + 0.0])  # steps 5 and 6
+    assert checkpoint._extra_before_saves(recs[3:], 1.0) == []  # too few steps before the save

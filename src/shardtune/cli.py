@@ -266,13 +266,15 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.export import export_checkpoint
     from shardtune.config import parse_size
+    from shardtune.runtime import young_gc_only
 
     try:
         max_bytes = parse_size(args.max_shard_size)
     except ValueError as err:
         raise ShardtuneError(f"--max-shard-size: {err}") from None
-    out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_bytes=max_bytes,
-                            merge_lora=args.merge_lora)
+    with young_gc_only():  # no full GC passes over the imported code
+        out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_bytes=max_bytes,
+                                merge_lora=args.merge_lora)
     print(f"wrote {out}")
     return 0
 

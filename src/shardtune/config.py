@@ -189,6 +189,9 @@ class CheckpointConfig(_Section):
     at_end: bool = Field(True, description="Write a resumable checkpoint after the last step.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep (the newest is never deleted).")
     async_save: bool = Field(False, alias="async", description="Write checkpoints in the background (DCP async).")
+    async_writer: Literal["auto", "thread", "process"] = Field(
+        "auto", description="Where an async save writes its files: a thread of the training process, or a "
+                            "separate process (no GIL shared with training). auto = process on GPUs, thread on CPU.")
     dir: str | None = Field(None, description="Where checkpoints go (default OUTPUT_DIR/checkpoints).")
     resume: str | None = Field(None, description="auto (newest complete checkpoint, if any) or a checkpoint path.")
     save_final: bool = Field(True, description="Write OUTPUT_DIR/model as a Hugging Face directory at the end.")

@@ -183,11 +183,19 @@ def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
             if isinstance(m, TensorStorageMetadata)}
 
 
-def test_async_save_equals_sync_save(tmp_path, cache):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_save_equals_sync_save(tmp_path, cache, writer):
     sync, asyn = tmp_path / "sync", tmp_path / "async"
     train(sync, cache, "train.stop_after_step=4", "checkpoint.every_steps=2")
-    proc = train(asyn, cache, "train.stop_after_step=4", "checkpoint.every_steps=2", "checkpoint.async=true")
-    assert proc.returncode == 0
+    proc = train(asyn, cache, "train.stop_after_step=4", "checkpoint.every_steps=2", "checkpoint.async=true",
+                 f"checkpoint.async_writer={writer}")
+    logs = sorted(p.name for p in (asyn / "checkpoints").glob("writer-rank*.log"))
+    if writer == "process":  # DCP's writer processes log each save there, not among the run's output
+        assert logs == ["writer-rank0.log", "writer-rank1.log"]
+        assert "Completed checkpoint save request" in (asyn / "checkpoints" / "writer-rank1.log").read_text()
+        assert "checkpoint save request" not in proc.stderr + proc.stdout
+    else:
+        assert logs == []
     for step in ("step-00000002", "step-00000004"):
         a, b = _all_tensors(sync / "checkpoints" / step), _all_tensors(asyn / "checkpoints" / step)
         assert a.keys() == b.keys() and any(k.startswith("optim.") for k in a)

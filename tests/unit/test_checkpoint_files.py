@@ -135,3 +135,32 @@ def test_the_async_stager_keeps_its_host_buffers_from_one_save_to_the_next():
     finally:
         stager.release()
     assert not stager._state_dict_stager._cached_storage_mapping  # released: the buffers can be freed
+
+
+def test_the_dcp_writer_puts_the_checkpoint_in_place_when_dcp_finishes(tmp_path):
+    """The manifest and the rename happen in DCP's finish, where a writer process runs them."""
+    from shardtune.checkpoint.dcp import ManifestWriter
+
+    tmp, final = tmp_path / ".step-00000003.tmp", tmp_path / "step-00000003"
+    writer = ManifestWriter(tmp, final, {"step": 3, "world_size": 1, "format": "dcp"})
+    writer = pickle.loads(pickle.dumps(writer))  # as it travels to a writer process
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.arange(6.0)}, storage_writer=writer, no_dist=True)
+    assert not tmp.exists() and is_complete(final)
+    verify(final)
+    assert {".metadata", "__0_0.distcp"} <= set(json.loads((final / "manifest.json").read_text())["files"])
+    state = {"w": torch.zeros(6)}
+    _load(final, state)
+    assert torch.equal(state["w"], torch.arange(6.0))
+
+
+def test_the_stager_for_a_writer_process_stages_into_shared_memory():
+    from shardtune.checkpoint.dcp import kept_stager
+
+    stager = kept_stager(gpu=False, shared=True)
+    try:
+        staged = stager.stage({"w": torch.arange(4.0)}).result()
+        assert staged["w"].is_shared() and torch.equal(staged["w"], torch.arange(4.0))
+    finally:
+        stager.release()

@@ -17,14 +17,17 @@ without a valid manifest is never treated as a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -233,9 +236,10 @@ def verify(path: Path) -> None:
             raise ShardtuneError(f"{path}: {rel} does not match the manifest (damaged checkpoint)")
 
 
-def kept_stager(gpu: bool) -> Any:
+def kept_stager(gpu: bool, shared: bool = False) -> Any:
     """A DCP DefaultStager (async staging on a side stream; pinned host buffers and non-blocking copies on
-    GPUs) whose host buffers stay cached from one save to the next, or None on a torch without one.
+    GPUs; shared-memory buffers when `shared`, for a writer process) whose host buffers stay cached from one
+    save to the next, or None on a torch without one.
 
     torch 2.11 clears a stager's buffer cache after every staging (pytorch #183413): a reused stager then
     fails the next save with `KeyError: <class 'type'>`, and a new stager per save pins the whole state
@@ -263,9 +267,9 @@ def kept_stager(gpu: bool) -> Any:
             super().close()
 
     try:
-        stager = KeptStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+        stager = KeptStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=shared,
                                            use_async_staging=True, use_non_blocking_copy=gpu))
-        stager._state_dict_stager = KeptStateDictStager(pin_memory=gpu, share_memory=False)
+        stager._state_dict_stager = KeptStateDictStager(pin_memory=gpu, share_memory=shared)
     except (TypeError, AttributeError):  # a torch whose staging classes differ: blocking staging
         return None
     return stager
@@ -274,7 +278,8 @@ def kept_stager(gpu: bool) -> Any:
 class Checkpointer:
     """Decides when to save, writes checkpoints (sync or async), keeps the last K, loads one."""
 
-    def __init__(self, cfg: CheckpointConfig, root: Path, ctx: DistContext, hf_dir_writer: Any) -> None:
+    def __init__(self, cfg: CheckpointConfig, root: Path, ctx: DistContext, hf_dir_writer: Any,
+                 fmt: str = "dcp") -> None:
         self.cfg, self.root, self.ctx = cfg, root, ctx
         self.write_hf_dir = hf_dir_writer  # callable(path): writes config.json + tokenizer (rank 0)
         self.pending: Future | None = None
@@ -289,10 +294,14 @@ class Checkpointer:
         self._timings_lock = threading.Lock()
         # Async saves run their collectives from a background thread on CPU tensors: a gloo group.
         self.async_group = dist.new_group(backend="gloo") if cfg.async_save and dist.is_initialized() else None
+        self.writer_process = cfg.async_save and fmt == "dcp" and writes_from_process(cfg, ctx.device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-ckpt")
         if ctx.is_main and root.is_dir():
             for stale in root.glob(".step-*.tmp"):  # left by a crash: never complete, safe to drop
                 shutil.rmtree(stale, ignore_errors=True)
+        if self.writer_process:
+            root.mkdir(parents=True, exist_ok=True)
+            self.writer_process = _start_writer_process(self.async_group, root / f"writer-rank{ctx.rank}.log")
 
     def due(self, step: int, last: bool) -> bool:
         """Whether to save after optimizer step `step` (1-based count of steps done)."""
@@ -328,15 +337,14 @@ class Checkpointer:
         info = {"step": step, "world_size": self.ctx.world, "format": fmt}
         final = step_dir(self.root, step)
         if fmt == "dcp" and self.cfg.async_save:
-            result = dcp.async_save(backend.state_dict(), storage_writer=_writer(tmp),
-                                    process_group=self.async_group, **self._stager_kwargs())
+            result = dcp.async_save(backend.state_dict(), storage_writer=ManifestWriter(tmp, final, info),
+                                    process_group=self.async_group, **self._async_kwargs())
             written = getattr(result, "upload_completion", result)  # newer torch returns a response object
             self.staging = getattr(result, "staging_completion", None)
             if self.staging is not None:
                 self.staging.add_done_callback(lambda _: self._timed("checkpoint_staging_s", started))
-            # Rank 0's future completes once every rank has written (DCP gathers their results);
-            # the manifest and the rename then happen off the training thread too.
-            self.pending = (self._executor.submit(self._finish, written, tmp, final, info, started) if self.ctx.is_main
+            # Rank 0's future completes once every rank has written and the checkpoint is in place.
+            self.pending = (self._executor.submit(self._finish, written, started) if self.ctx.is_main
                             else written)
         else:
             if fmt == "deepspeed":
@@ -345,23 +353,29 @@ class Checkpointer:
                     print("warning: checkpoint.async is ignored by the deepspeed backend; checkpoints are "
                           "written synchronously", flush=True)
                 backend.save_native(tmp / NATIVE_DIR)
+                _barrier()
+                if self.ctx.is_main:
+                    finalize(tmp, final, info)
             else:
-                dcp.save(backend.state_dict(), storage_writer=_writer(tmp))
-            _barrier()
+                dcp.save(backend.state_dict(), storage_writer=ManifestWriter(tmp, final, info))
             if self.ctx.is_main:
-                self._finish(None, tmp, final, info, started)
+                self._finish(None, started)
             _barrier()
         self.last_saved_step = step
         self.last_time = time.monotonic()
         return time.perf_counter() - t0
 
-    def _stager_kwargs(self) -> dict[str, Any]:
+    def _async_kwargs(self) -> dict[str, Any]:
         """Async staging into host buffers kept from one save to the next (pinned, on GPUs), on a side
         stream, as torchtitan does: the loop goes on with the next forward/backward while the shards are
-        copied out, and only the first save pays for allocating (pinning) the buffers."""
+        copied out, and only the first save pays for allocating (pinning) the buffers. With a writer
+        process the buffers are in shared memory, so handing them over copies nothing."""
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
         if self.stager is None:
-            self.stager = kept_stager(self.ctx.device.type == "cuda") or False
-        return {"async_stager": self.stager} if self.stager else {}
+            self.stager = kept_stager(self.ctx.device.type == "cuda", shared=self.writer_process) or False
+        kind = AsyncCheckpointerType.PROCESS if self.writer_process else AsyncCheckpointerType.THREAD
+        return {"async_checkpointer_type": kind, **({"async_stager": self.stager} if self.stager else {})}
 
     def before_update(self) -> float:
         """Call before the optimizer changes parameters: waits for an async save's staging copy.
@@ -373,10 +387,9 @@ class Checkpointer:
         staging.result()
         return time.perf_counter() - t0
 
-    def _finish(self, written: Future | None, tmp: Path, final: Path, info: dict[str, Any], started: float) -> None:
+    def _finish(self, written: Future | None, started: float) -> None:
         if written is not None:
             written.result()  # re-raises a failed write
-        finalize(tmp, final, info)
         self._timed("checkpoint_write_s", started)
         for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -399,12 +412,14 @@ class Checkpointer:
             pending.result()
 
     def close(self) -> None:
-        """Wait for the save in flight, then free the async staging buffers."""
+        """Wait for the save in flight, then free the async staging buffers and stop the writer process."""
         self.wait()
         if self.stager:
             self.stager.release()
         self.stager = None
         self._executor.shutdown(wait=True)
+        if self.writer_process:
+            _stop_writer_process()
 
     def load(self, path: Path, backend: Any) -> dict[str, Any]:
         """Restore model, optimizer and RNG from `path`; returns its trainer state."""
@@ -450,8 +465,67 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise ShardtuneError(f"{path}: cannot read {TRAINER_STATE} ({err})") from None
 
 
-def _writer(path: Path) -> FileSystemWriter:
-    return FileSystemWriter(str(path), thread_count=WRITE_THREADS)
+def writes_from_process(cfg: CheckpointConfig, device: torch.device) -> bool:
+    """Whether async saves write from a separate process. On GPUs the writer's Python threads would
+    otherwise share the GIL with the thread that launches the training kernels; on CPU a process
+    costs a second torch import per rank for nothing measured."""
+    return cfg.async_writer == "process" or (cfg.async_writer == "auto" and device.type == "cuda")
+
+
+def _start_writer_process(group: Any, log: Path) -> bool:
+    """Start DCP's writer process now, before training (every rank at once: the writers form their own
+    gloo group), with its output going to `log`: it logs each save at INFO on every rank, and would
+    otherwise be started at the first save, from a thread, while training prints to the same stderr.
+    Returns False (async saves then write from a thread) on a torch whose writer process differs."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+
+        info, start = executor._ProcessGroupInitInfo(group), executor._AsyncCheckpointProcess
+    except (ImportError, AttributeError, TypeError):
+        return False
+    if getattr(executor, "_CHECKPOINT_PROCESS", None) is None:
+        with _stderr_to(log):
+            executor._CHECKPOINT_PROCESS = start(pg_init_info=info)
+    return True
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Point file descriptor 2 at `path` while a child process is started (it inherits it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with path.open("ab") as f:
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _stop_writer_process() -> None:
+    """Stop DCP's writer process now (it is a daemon and would otherwise live until this process exits)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        executor._CHECKPOINT_PROCESS = None
+        proc.__del__()  # sends TERMINATE and joins (DCP's own shutdown path)
+
+
+class ManifestWriter(FileSystemWriter):
+    """DCP's file writer (WRITE_THREADS files per rank), whose finish, which DCP runs on rank 0 once every
+    rank has written, also writes the manifest and renames the checkpoint into place. With a writer
+    process, that is where the CRC32 pass over the files runs: outside the training process."""
+
+    def __init__(self, tmp: Path, final: Path, info: dict[str, Any]) -> None:
+        super().__init__(str(tmp), thread_count=WRITE_THREADS)
+        self.tmp, self.final, self.info = tmp, final, info
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        finalize(self.tmp, self.final, self.info)
 
 
 def _barrier() -> None:

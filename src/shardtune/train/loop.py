@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from shardtune.checkpoint.dcp import Checkpointer, check_resumable, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.dcp import (
+    Checkpointer,
+    check_resumable,
+    checkpoint_format,
+    read_trainer_state,
+    resolve_checkpoint,
+)
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model, write_config
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
@@ -30,6 +36,7 @@ from shardtune.parallel import make_backend
 from shardtune.parallel.base import Backend
 from shardtune.peft.lora import LoraSource, apply_lora, cast_frozen, frozen_dtype, save_adapter
 from shardtune.peft.qlora import quantize_to_nf4
+from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.validate import check_combination
 
@@ -99,7 +106,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     weights = None if resume and cfg.peft.method == "none" else source
     backend.setup(model, blocks, weights, cfg.optim, t.lr, total_steps)
     ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(
-        path, model, base_model, hf_config, tokenizer, SAVE_DTYPES[save_dtype(cfg)]))
+        path, model, base_model, hf_config, tokenizer, SAVE_DTYPES[save_dtype(cfg)]), checkpoint_format(backend))
     start_step = 0
     if resume:
         saved = ckpt.load(resume, backend)
@@ -128,30 +135,31 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         run_eval(0)
 
     interval = _Interval(ctx.device)
-    for step in range(start_step, stop):
-        micro = [data.train_batch(idx) for idx in sampler.micro_batches(step)]
-        normalizer = global_target_tokens(micro, ctx.device)
-        lr = backend.lr
-        step_loss = torch.zeros((), device=ctx.device)
-        for k, batch in enumerate(micro):
-            step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
-                                                  sync_grads=k == len(micro) - 1)
-        interval.checkpoint_s += ckpt.before_update()  # an async save's copy must finish before the update
-        grad_norm = backend.step()
-        interval.add(step_loss, sum(b.num_tokens for b in micro))
-        state.step = sampler.position = step + 1
-        if ckpt.due(state.step, last=state.step == stop):
-            interval.checkpoint_s += ckpt.save(state.step, backend, trainer_state(state.step, sampler, backend,
-                                                                                  cfg, ctx, total_steps))
-        if state.step % cfg.log.every == 0 or state.step == stop:
-            record = interval.flush(state.step, lr, grad_norm, fpt, peak, ctx)
-            record["epoch"] = step // sampler.steps_per_epoch
-            record.update(ckpt.pop_timings())
-            state.history.append(record)
-            logger.log(record)
-        if t.eval_every and state.step % t.eval_every == 0 and state.step != total_steps:
-            run_eval(state.step)
-    ckpt.close()
+    with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
+        for step in range(start_step, stop):
+            micro = [data.train_batch(idx) for idx in sampler.micro_batches(step)]
+            normalizer = global_target_tokens(micro, ctx.device)
+            lr = backend.lr
+            step_loss = torch.zeros((), device=ctx.device)
+            for k, batch in enumerate(micro):
+                step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
+                                                      sync_grads=k == len(micro) - 1)
+            interval.checkpoint_s += ckpt.before_update()  # an async save's copy must finish before the update
+            grad_norm = backend.step()
+            interval.add(step_loss, sum(b.num_tokens for b in micro))
+            state.step = sampler.position = step + 1
+            if ckpt.due(state.step, last=state.step == stop):
+                interval.checkpoint_s += ckpt.save(state.step, backend, trainer_state(state.step, sampler, backend,
+                                                                                      cfg, ctx, total_steps))
+            if state.step % cfg.log.every == 0 or state.step == stop:
+                record = interval.flush(state.step, lr, grad_norm, fpt, peak, ctx)
+                record["epoch"] = step // sampler.steps_per_epoch
+                record.update(ckpt.pop_timings())
+                state.history.append(record)
+                logger.log(record)
+            if t.eval_every and state.step % t.eval_every == 0 and state.step != total_steps:
+                run_eval(state.step)
+        ckpt.close()
     finished = state.step >= total_steps
     if finished:
         run_eval(total_steps)
