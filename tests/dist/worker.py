@@ -137,10 +137,11 @@ def main() -> None:
     out, accum, variants = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     ctx = init_distributed()
     results = {}
+    nvme_dir = out / "nvme"  # DeepSpeed's swap folder for optimizer states (one subfolder per rank)
+    if any("nvme" in v.split(":") for v in variants):
+        nvme_dir.mkdir(parents=True, exist_ok=True)
     for variant in variants:
         strategy, *opts = variant.split(":")
-        nvme_dir = out / "nvme"  # DeepSpeed's swap folder for optimizer states (one subfolder per rank)
-        nvme_dir.mkdir(parents=True, exist_ok=True)
         extra = " ".join(OPTIONS[o] for o in opts).format(model_dir=os.environ.get("SHARDTUNE_TEST_MODEL_DIR"),
                                                           nvme_dir=nvme_dir)
         overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}",
