@@ -183,10 +183,17 @@ def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
             if isinstance(m, TensorStorageMetadata)}
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
-def test_async_save_equals_sync_save(tmp_path, cache, writer):
-    sync, asyn = tmp_path / "sync", tmp_path / "async"
+@pytest.fixture(scope="module")
+def sync_saves(tmp_path_factory, cache):
+    """Synchronous checkpoints at steps 2 and 4, what async saves must equal."""
+    sync = tmp_path_factory.mktemp("sync") / "run"
     train(sync, cache, "train.stop_after_step=4", "checkpoint.every_steps=2")
+    return sync
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_save_equals_sync_save(tmp_path, cache, sync_saves, writer):
+    sync, asyn = sync_saves, tmp_path / "async"
     proc = train(asyn, cache, "train.stop_after_step=4", "checkpoint.every_steps=2", "checkpoint.async=true",
                  f"checkpoint.async_writer={writer}")
     logs = sorted(p.name for p in (asyn / "checkpoints").glob("writer-rank*.log"))

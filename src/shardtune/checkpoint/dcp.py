@@ -278,9 +278,9 @@ def kept_stager(gpu: bool, shared: bool = False) -> Any:
 class Checkpointer:
     """Decides when to save, writes checkpoints (sync or async), keeps the last K, loads one."""
 
-    def __init__(self, cfg: CheckpointConfig, root: Path, ctx: DistContext, hf_dir_writer: Any,
-                 fmt: str = "dcp") -> None:
+    def __init__(self, cfg: CheckpointConfig, root: Path, ctx: DistContext, hf_dir_writer: Any, fmt: str) -> None:
         self.cfg, self.root, self.ctx = cfg, root, ctx
+        self.fmt = fmt  # checkpoint_format(backend): "dcp" or "deepspeed"
         self.write_hf_dir = hf_dir_writer  # callable(path): writes config.json + tokenizer (rank 0)
         self.pending: Future | None = None
         self.staging: Future | None = None  # async: the copy to host memory still running
@@ -294,12 +294,12 @@ class Checkpointer:
         self._timings_lock = threading.Lock()
         # Async saves run their collectives from a background thread on CPU tensors: a gloo group.
         self.async_group = dist.new_group(backend="gloo") if cfg.async_save and dist.is_initialized() else None
-        self.writer_process = cfg.async_save and fmt == "dcp" and writes_from_process(cfg, ctx.device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-ckpt")
         if ctx.is_main and root.is_dir():
             for stale in root.glob(".step-*.tmp"):  # left by a crash: never complete, safe to drop
                 shutil.rmtree(stale, ignore_errors=True)
-        if self.writer_process:
+        self.writer_process = False
+        if cfg.async_save and fmt == "dcp" and writes_from_process(cfg, ctx.device):
             root.mkdir(parents=True, exist_ok=True)
             self.writer_process = _start_writer_process(self.async_group, root / f"writer-rank{ctx.rank}.log")
 
@@ -333,10 +333,9 @@ class Checkpointer:
             self.write_hf_dir(tmp / "hf")
         _barrier()
         _save_rng(tmp / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
-        fmt = checkpoint_format(backend)
-        info = {"step": step, "world_size": self.ctx.world, "format": fmt}
+        info = {"step": step, "world_size": self.ctx.world, "format": self.fmt}
         final = step_dir(self.root, step)
-        if fmt == "dcp" and self.cfg.async_save:
+        if self.fmt == "dcp" and self.cfg.async_save:
             result = dcp.async_save(backend.state_dict(), storage_writer=ManifestWriter(tmp, final, info),
                                     process_group=self.async_group, **self._async_kwargs())
             written = getattr(result, "upload_completion", result)  # newer torch returns a response object
@@ -347,7 +346,7 @@ class Checkpointer:
             self.pending = (self._executor.submit(self._finish, written, started) if self.ctx.is_main
                             else written)
         else:
-            if fmt == "deepspeed":
+            if self.fmt == "deepspeed":
                 # The engine writes its own sharded layout (one file per rank) and has no DCP async path.
                 if self.cfg.async_save and self.last_saved_step < 0 and self.ctx.is_main:
                     print("warning: checkpoint.async is ignored by the deepspeed backend; checkpoints are "
@@ -423,7 +422,7 @@ class Checkpointer:
 
     def load(self, path: Path, backend: Any) -> dict[str, Any]:
         """Restore model, optimizer and RNG from `path`; returns its trainer state."""
-        if checkpoint_format(backend) == "deepspeed":
+        if self.fmt == "deepspeed":
             backend.load_native(path / NATIVE_DIR)
         else:
             state = backend.state_dict()
