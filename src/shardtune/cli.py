@@ -1,4 +1,4 @@
-"""`shardtune` command line: train | validate | plan | init-model | export.
+"""`shardtune` command line: train | validate | plan | init-model | export | calibrate.
 
 Bad input exits with code 2 and one line saying what is wrong and how to fix it.
 """
@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: write the base model with the adapter merged in (else the adapter alone)")
     e.set_defaults(func=cmd_export)
+
+    c = sub.add_parser("calibrate", help="measure this GPU machine's ceilings (matmul, memory, copies, NCCL, host "
+                                         "AdamW) for the planner")
+    c.add_argument("--out", default=None, help="JSON file (default $SHARDTUNE_CALIBRATION or "
+                                               "~/.cache/shardtune/calibration.json)")
+    c.add_argument("--quick", action="store_true", help="fewer, smaller measurements (under 20 s)")
+    c.add_argument("--gpu", default=None, help="the table's GPU type to start from when the local GPU's name is "
+                                               "not in it")
+    c.set_defaults(func=cmd_calibrate)
     return p
 
 
@@ -277,6 +286,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                                 merge_lora=args.merge_lora)
     print(f"wrote {out}")
     return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from shardtune.plan.calibrate import calibrate_command
+
+    return calibrate_command(args.out, args.quick, args.gpu)
 
 
 def main(argv: list[str] | None = None) -> int:
