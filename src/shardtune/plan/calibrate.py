@@ -277,12 +277,12 @@ def _steps(device: torch.device, sizes: Sizes, base: Hardware, gpus: int, adam_i
     def hbm() -> tuple[dict[str, float], str]:
         rate = copy_bandwidth(device, s.copy_bytes, s.copy_iters, s.warmup_s)
         return ({"hbm_bytes_per_s": rate},
-                f"{s.copy_bytes / GIB:g} GiB device copy, bytes read + written, median of {s.copy_iters}")
+                f"{_size(s.copy_bytes)} device copy, bytes read + written, median of {s.copy_iters}")
 
     def host_copy() -> tuple[dict[str, float], str]:
         h2d, d2h = host_copy_bandwidth(device, s.host_copy_bytes, s.host_copy_iters, s.warmup_s)
         return ({"h2d_bytes_per_s": min(h2d, d2h)},
-                f"{s.host_copy_bytes / MIB:g} MiB pinned copies, the slower direction: host->device "
+                f"{_size(s.host_copy_bytes)} pinned copies, the slower direction: host->device "
                 f"{h2d / 1e9:.1f} GB/s, device->host {d2h / 1e9:.1f} GB/s")
 
     def adam() -> tuple[dict[str, float], str]:
@@ -291,18 +291,18 @@ def _steps(device: torch.device, sizes: Sizes, base: Hardware, gpus: int, adam_i
             try:
                 rate = host_adam_rate(s.adam_params, s.adam_steps, "deepspeed")
                 return ({"host_adam_params_per_s": rate},
-                        f"DeepSpeedCPUAdam ({why}) on {s.adam_params / 1e6:.0f}M fp32 parameters")
+                        f"DeepSpeedCPUAdam ({why}) on {s.adam_params:,} fp32 parameters")
             except Exception as err:
                 why = f"DeepSpeedCPUAdam failed: {_one_line(err)}"
         rate = host_adam_rate(s.adam_params, s.adam_steps, "torch")
         return ({"host_adam_params_per_s": rate},
-                f"torch AdamW foreach on {s.adam_params / 1e6:.0f}M fp32 parameters ({why}); DeepSpeed's CPU "
+                f"torch AdamW foreach on {s.adam_params:,} fp32 parameters ({why}); DeepSpeed's CPU "
                 "Adam is typically faster")
 
     def collectives() -> tuple[dict[str, float], str]:
         r = run_collectives(gpus, s)
         return ({"intra_node_bus_bytes_per_s": min(r["all_gather"], r["reduce_scatter"])},
-                f"{s.collective_bytes / MIB:g} MiB bf16 over {r['world']} processes ({r['backend']}), bus "
+                f"{_size(s.collective_bytes)} bf16 over {r['world']} processes ({r['backend']}), bus "
                 f"bandwidth, the slower: all-gather {r['all_gather'] / 1e9:.0f} GB/s, reduce-scatter "
                 f"{r['reduce_scatter'] / 1e9:.0f} GB/s")
 
@@ -313,6 +313,10 @@ def _steps(device: torch.device, sizes: Sizes, base: Hardware, gpus: int, adam_i
     if gpus > 1:
         steps.append(("all-gather / reduce-scatter", ("intra_node_bus_bytes_per_s",), collectives))
     return steps
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:g} GiB" if nbytes >= GIB else f"{nbytes / MIB:g} MiB"
 
 
 def _one_line(err: BaseException) -> str:
