@@ -38,22 +38,22 @@ class Sizes:
     """How much work each measurement does; warm-up is in seconds so the GPU's clocks ramp up first."""
 
     matmul_n: int = 8192  # n x n x n bf16 GEMM, 1.1 TFLOP: ~1.4 ms on an H200
-    matmul_iters: int = 20
+    matmul_iters: int = 10  # calls per timed batch; 5 batches
     copy_bytes: int = 2 * GIB  # device-to-device copy, several times any L2
-    copy_iters: int = 20
+    copy_iters: int = 10
     host_copy_bytes: int = GIB
-    host_copy_iters: int = 10
+    host_copy_iters: int = 3
     adam_params: int = 100_000_000  # fp32 parameters stepped by the host AdamW
-    adam_steps: int = 4
+    adam_steps: int = 4  # each timed alone
     collective_bytes: int = GIB  # the gathered (all-gather) or reduced (reduce-scatter) tensor, bf16
-    collective_iters: int = 20
+    collective_iters: int = 10
     warmup_s: float = 0.5
     collective_timeout_s: float = 120.0
 
 
 FULL = Sizes()
-QUICK = Sizes(matmul_iters=8, copy_bytes=GIB, copy_iters=8, host_copy_bytes=256 * MIB, host_copy_iters=5,
-              adam_params=25_000_000, adam_steps=2, collective_bytes=256 * MIB, collective_iters=8, warmup_s=0.2,
+QUICK = Sizes(matmul_iters=4, copy_bytes=GIB, copy_iters=4, host_copy_bytes=256 * MIB, host_copy_iters=2,
+              adam_params=25_000_000, adam_steps=2, collective_bytes=256 * MIB, collective_iters=4, warmup_s=0.2,
               collective_timeout_s=60.0)
 
 
@@ -62,9 +62,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int, warmup_s: float) -> float:
-    """Median seconds of `iters` calls of fn after `warmup_s` seconds of warm-up calls (CUDA events on a GPU,
-    the wall clock on a CPU)."""
+def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int, warmup_s: float,
+                     repeats: int = 5) -> float:
+    """Seconds per call of fn: the median over `repeats` batches of `iters` back-to-back calls, after
+    `warmup_s` seconds of warm-up calls (CUDA events on a GPU, the wall clock on a CPU). Calls run back to
+    back because a GPU left idle between single calls drops its clocks (8192^3 GEMMs timed one at a time
+    read ~665 TFLOP/s on an H200, back to back ~790)."""
     end_warmup = time.perf_counter() + warmup_s
     while True:  # at least one call: the first pays for allocations and kernel selection
         fn()
@@ -72,18 +75,20 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int,
         if time.perf_counter() >= end_warmup:
             break
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(iters):
+                fn()
             stop.record()
             stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
+            times.append(start.elapsed_time(stop) / 1e3 / iters)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
 
 
@@ -133,7 +138,7 @@ def host_adam_rate(n_params: int, steps: int, impl: str = "torch") -> float:
     else:
         raise ValueError(f"impl {impl!r}: expected 'torch' or 'deepspeed'")
     cpu = torch.device("cpu")
-    return n_params / seconds_per_call(opt.step, cpu, steps, warmup_s=0.0)
+    return n_params / seconds_per_call(opt.step, cpu, 1, warmup_s=0.0, repeats=steps)
 
 
 def deepspeed_cpu_adam_built() -> bool:
@@ -271,13 +276,13 @@ def _steps(device: torch.device, sizes: Sizes, base: Hardware, gpus: int, adam_i
     def matmul() -> tuple[dict[str, float], str]:
         flops = matmul_flops(device, s.matmul_n, s.matmul_iters, s.warmup_s)
         return ({"matmul_efficiency": flops / base.bf16_flops},
-                f"{s.matmul_n}^3 bf16 torch.mm on random data, median of {s.matmul_iters}: {flops / 1e12:.0f} "
-                f"TFLOP/s of the datasheet's {base.bf16_flops / 1e12:.0f}")
+                f"{s.matmul_n}^3 bf16 torch.mm on random data, median of 5 batches of {s.matmul_iters}: "
+                f"{flops / 1e12:.0f} TFLOP/s of the datasheet's {base.bf16_flops / 1e12:.0f}")
 
     def hbm() -> tuple[dict[str, float], str]:
         rate = copy_bandwidth(device, s.copy_bytes, s.copy_iters, s.warmup_s)
         return ({"hbm_bytes_per_s": rate},
-                f"{_size(s.copy_bytes)} device copy, bytes read + written, median of {s.copy_iters}")
+                f"{_size(s.copy_bytes)} device copy, bytes read + written, median of 5 batches of {s.copy_iters}")
 
     def host_copy() -> tuple[dict[str, float], str]:
         h2d, d2h = host_copy_bandwidth(device, s.host_copy_bytes, s.host_copy_iters, s.warmup_s)
