@@ -47,13 +47,13 @@ class Sizes:
     adam_steps: int = 4  # each timed alone
     collective_bytes: int = GIB  # the gathered (all-gather) or reduced (reduce-scatter) tensor, bf16
     collective_iters: int = 10
-    warmup_s: float = 0.5
+    warmup_s: float = 1.0
     collective_timeout_s: float = 120.0
 
 
 FULL = Sizes()
 QUICK = Sizes(matmul_iters=4, copy_bytes=GIB, copy_iters=4, host_copy_bytes=256 * MIB, host_copy_iters=2,
-              adam_params=25_000_000, adam_steps=2, collective_bytes=256 * MIB, collective_iters=4, warmup_s=0.2,
+              adam_params=25_000_000, adam_steps=2, collective_bytes=256 * MIB, collective_iters=4, warmup_s=0.5,
               collective_timeout_s=60.0)
 
 
@@ -65,9 +65,11 @@ def _sync(device: torch.device) -> None:
 def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int, warmup_s: float,
                      repeats: int = 5) -> float:
     """Seconds per call of fn: the median over `repeats` batches of `iters` back-to-back calls, after
-    `warmup_s` seconds of warm-up calls (CUDA events on a GPU, the wall clock on a CPU). Calls run back to
-    back because a GPU left idle between single calls drops its clocks (8192^3 GEMMs timed one at a time
-    read ~665 TFLOP/s on an H200, back to back ~790)."""
+    `warmup_s` seconds of warm-up calls (CUDA events on a GPU, the wall clock on a CPU).
+
+    The warm-up is long enough for the GPU to settle at its sustained clocks, which is what a training run
+    gets: on the H200 here 8192^3 bf16 GEMMs ran at ~790 TFLOP/s for the first ~0.1 s, then ~660-690 at the
+    700 W power limit. Calls run back to back: a GPU idle between single calls reads lower still."""
     end_warmup = time.perf_counter() + warmup_s
     while True:  # at least one call: the first pays for allocations and kernel selection
         fn()
