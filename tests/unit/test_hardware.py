@@ -95,7 +95,7 @@ def test_table_entries_are_sane(key):
 
 
 def test_h200_memory_is_what_torch_reports():
-    # torch reported 150,109,880,320 bytes (139.8 GiB) on the H200 here, below the datasheet.s 141 GB.
+    # torch reported 150,109,880,320 bytes (139.8 GiB) on the H200 here, below the datasheet's 141 GB.
     assert GPUS["h200"].memory_bytes / 2**30 == pytest.approx(139.8, abs=0.05)
 
 
