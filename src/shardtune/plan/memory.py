@@ -28,7 +28,7 @@ ADAMW8BIT_BYTES = 2 + 2 * 4 / 256
 # The logits and loss (train/loss.py): the LM head's output in the compute dtype, its shifted copy, the
 # fp32 upcast and log-softmax's fp32 output are alive together at the end of forward: 2p + 8 bytes per
 # vocabulary entry per token (p = compute bytes). Fitted: the measured share of that transient.
-LOGITS_FACTOR = 0.86
+LOGITS_FACTOR = 1.0
 # Reserved / allocated in PyTorch's caching allocator (fragmentation, cached blocks). Fitted.
 FRAGMENTATION = 0.12
 # CUDA context, cuBLAS / cuDNN handles and kernels loaded outside the caching allocator; NCCL's own
@@ -65,19 +65,23 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     RMSNorm, attention with rotary embeddings and grouped KV heads, SwiGLU MLP).
 
     Re-derived from Korthikanti et al. 2022 ("Reducing Activation Recomputation", eq. 2) for the kernels
-    transformers runs, with p = bytes of the compute dtype, h hidden, k the key/value width, f the MLP width:
-      2 RMSNorms   each saves its fp32 upcast (4h) and the normalised output (p*h)   -> 8h + 2ph
-      attention    q/k/v input ph, q and k before and after RoPE and rotate_half (3ph + 3pk),
-                   v (pk), the kernel output (ph), o_proj's contiguous input (ph)   -> 6ph + 4pk
-                   flash / efficient SDPA and FlexAttention keep no s x s matrix; eager attention saves
-                   its softmax probabilities (p x heads x s) and their dropout input.
-      SwiGLU       gate/up input (ph), gate output, SiLU output, up output, product (4pf) -> ph + 4pf
-    Compiled blocks fuse the norms (no fp32 copy: -8h) and SiLU * up (the SiLU output is recomputed: -pf).
-    """
-    p, h, k, f = s.compute_bytes, m.hidden, m.kv_dim, m.ffn
-    total = 8 * h + 9 * p * h + 4 * p * k + 4 * p * f
+    transformers runs, with p = bytes of the compute dtype, h hidden, k the key/value width, f the MLP width,
+    a the attention heads:
+      2 RMSNorms   each saves its fp32 upcast (4h, for the variance) and the normalised input of the
+                   weight multiply (ph)                                                  -> 8h + 2ph
+      attention    the q/k/v projections' shared input (ph); RoPE multiplies by cos/sin, which need no
+                   gradient, so it saves nothing; the kernel saves rotated q (ph), rotated k and v (2pk),
+                   its output (ph, also o_proj's input: the kernel writes it in (b, s, a, d) order, so the
+                   transpose back is free) and the log-sum-exp (4a)                      -> 3ph + 2pk + 4a
+      SwiGLU       gate/up input (ph), gate output, SiLU output, up output, product (4pf)  -> ph + 4pf
+    Eager attention also keeps the fp32 softmax and its compute-dtype copy: (4 + p) x a x s.
+    Compiled blocks fuse each norm (it saves its input, ph, instead of the fp32 copy: -8h) and SiLU * up
+    (the SiLU output is recomputed: -pf).
+    Checked against autograd's saved tensors of a real block on CPU (tests/unit/test_plan.py)."""
+    p, h, k, f, a = s.compute_bytes, m.hidden, m.kv_dim, m.ffn, m.heads
+    total = 8 * h + 6 * p * h + 2 * p * k + 4 * p * f + 4 * a
     if s.attn == "eager":
-        total += 2 * p * m.heads * s.seq_len
+        total += (4 + p) * a * s.seq_len
     if s.compile:
         total -= 8 * h + p * f
     return float(total)
@@ -132,9 +136,11 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
         return {
             "parameters": p * m.params / (s.world if stage == 3 else 1),
             "master_weights": 4.0 * m.params / oshards if p != 4 else 0.0,
-            # compute-dtype gradients (whole below stage 2) and their fp32 copy for the optimizer (sharded from 1)
-            "gradients": (p * m.params if stage < 2 else p * m.params / s.world) + 4.0 * m.params / oshards,
+            # compute-dtype gradients, whole below stage 2 ...
+            "gradients": p * m.params if stage < 2 else p * m.params / s.world,
             "optimizer": per_optim * m.params / oshards,
+            # ... and the fp32 copy of this rank's partition that the optimizer step makes
+            "fp32_gradients": 4.0 * m.params / oshards if p != 4 else 0.0,
         }
     return {
         "parameters": 4.0 * trainable / pshards + frozen,
@@ -155,6 +161,11 @@ def gathered_parameters(m: ModelShape, s: Setting) -> float:
     With fp32 compute and no sharding nothing is copied. With LoRA the frozen base in the compute dtype
     is gathered the same way; NF4 weights are dequantised one linear layer at a time."""
     p = s.compute_bytes
+    if s.backend == "fsdp2" and s.param_shards() == 1 and s.strategy != "ddp" and s.peft != "none" and \
+            s.frozen_bytes == p:
+        # A mesh of one with the frozen base already in the compute dtype: nothing to gather or cast, the
+        # blocks compute with the stored weights (measured: 8B LoRA and 8B / 70B QLoRA on one H200).
+        return 0.0
     if s.peft == "qlora":
         # Each NF4 linear is dequantised into one compute-dtype weight at a time; the largest is the MLP's.
         largest = m.hidden * m.ffn
@@ -198,12 +209,15 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     on_gpu = {k: v for k, v in states.items() if k not in offloaded}
     logits = logits_bytes(m, s)
     buffers = comm_buffers(m, s) + packing_mask_bytes(s)
-    grads_in_forward = s.grad_accum > 1 or (s.backend == "deepspeed" and s.strategy in ("ddp", "zero1"))
-    base = {k: v for k, v in on_gpu.items() if k != "gradients" or grads_in_forward}
+    # Gradients exist during forward when they accumulate over micro-batches, and under DeepSpeed, whose
+    # gradient buffers are allocated once (stage 0-1: the whole model's; stage 3: the partition's flat buffer).
+    grads_in_forward = s.grad_accum > 1 or (s.backend == "deepspeed" and s.strategy != "zero2")
+    in_backward = {k: v for k, v in on_gpu.items() if k != "fp32_gradients"}  # made by the optimizer step
+    base = {k: v for k, v in in_backward.items() if k != "gradients" or grads_in_forward}
     phases = {
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved, "logits": logits,
                         "buffers": buffers},
-        "backward": {**on_gpu, "gathered_parameters": gathered, "activations": saved + recompute,
+        "backward": {**in_backward, "gathered_parameters": gathered, "activations": saved + recompute,
                      "buffers": buffers},
         "optimizer": dict(on_gpu),
     }
@@ -221,7 +235,8 @@ def _offloaded(states: dict[str, float], s: Setting) -> set[str]:
     (optimizer), and the parameters too (params)."""
     if s.offload == "none":
         return set()
-    moved = {"optimizer", "master_weights", "gradients"}
+    # The compute-dtype gradients stream to the host bucket by bucket instead of filling a GPU partition.
+    moved = {"optimizer", "master_weights", "fp32_gradients", "gradients"}
     return moved | {"parameters"} if s.offload == "params" else moved
 
 
@@ -231,9 +246,7 @@ def host_memory(m: ModelShape, s: Setting, states: dict[str, float], offloaded: 
     the whole run: the node's share of the checkpoint (fp32 trainable parameters + optimizer states)."""
     host = {"processes": PROCESS_HOST * s.per_node}
     if offloaded:
-        moved = sum(states[k] for k in offloaded) * s.per_node
-        if s.offload == "optimizer" and s.backend == "deepspeed":
-            moved += 4.0 * (m.params if s.peft == "none" else m.lora_params) / s.world * s.per_node  # fp32 grads
+        moved = sum(states.get(k, 0.0) for k in offloaded if k != "gradients") * s.per_node
         host["offload"] = min(moved, 2 * 5e8 * 4 * s.per_node) if s.nvme else moved
     if s.async_checkpoint:
         trainable = m.params if s.peft == "none" else m.lora_params
