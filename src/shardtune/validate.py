@@ -12,9 +12,12 @@ from shardtune.config import Config, load_config
 from shardtune.errors import ShardtuneError
 
 
-def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False) -> Config:
+def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False,
+             nnodes: int = 1, hardware: Any = None, force: bool = False) -> Config:
     """Check config, model, tokenizer and data (tokenised into the cache, so the workers that follow
     find it there), and that one global batch fits the data. With quiet=False print a report.
+    With `hardware` (the local GPU, or one named with --gpu) the planner refuses a run predicted not to fit
+    (unless `force`); `auto` strategy / micro-batch are replaced by its pick. Returns the resolved config.
     Raises ShardtuneError (exit code 2) on the first problem."""
     from shardtune.launch import resolve_nproc
     from shardtune.models.build import load_hf_config
@@ -33,6 +36,13 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         if path is not None and not Path(path).exists():
             raise ShardtuneError(f"{key}: {path!r} does not exist; give a data file or folder")
     world = resolve_nproc(nproc_flag, cfg.parallel.nproc)
+    if nnodes < 1:
+        raise ShardtuneError(f"--nnodes {nnodes}: expected a positive integer")
+    plan = None
+    if hardware is not None or cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto":
+        from shardtune.plan import resolve_auto
+
+        cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world)
     tokenizer = load_tokenizer(cfg.model.path)
     check_vocab(tokenizer, hf_config)
@@ -40,6 +50,14 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         from shardtune.checkpoint.dcp import resolve_checkpoint
 
         resolve_checkpoint(cfg.checkpoint.resume)  # a named checkpoint must exist and be complete
+    if quiet and plan is not None:
+        from shardtune.plan import describe
+
+        c = plan.chosen()
+        auto = f" ({', '.join(plan.auto)}: auto)" if plan.auto else ""
+        print(f"plan: {describe(c.setting)}{auto}: {c.memory.total / 2**30:.1f} GiB per GPU of "
+              f"{plan.hardware.memory_bytes / 2**30:.1f} ({plan.hardware.name}), {c.time.tokens_per_sec_per_gpu:,.0f} "
+              "tokens/s per GPU predicted", flush=True)
     if quiet:
         from shardtune.data import StepSampler
         from shardtune.data.pipeline import build_data
@@ -48,7 +66,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=True)
         StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world, 0, t.seed)
         return cfg
-    _report(cfg, hf_config, tokenizer, world)
+    _report(cfg, hf_config, tokenizer, world, plan)
     return cfg
 
 
@@ -208,7 +226,7 @@ def _async_io_available() -> bool:
         return False
 
 
-def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:
+def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -244,6 +262,11 @@ def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:
         ("steps", f"{steps} ({sampler.steps_per_epoch} per epoch)"),
         ("output", t.output_dir),
     ]
+    if plan is not None:
+        c = plan.chosen()
+        rows.insert(2, ("plan", f"{c.memory.total / 2**30:.1f} GiB per GPU of {plan.hardware.memory_bytes / 2**30:.1f} "
+                                f"({plan.hardware.name}), {c.time.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU "
+                                "predicted (shardtune plan shows every option)"))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    hf_config = load_hf_config(cfg.model)
+    cfg = resolve_plan_auto(cfg, hf_config, ctx)
     resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
     if resume:
         check_resumable(resume, cfg.parallel.backend, ctx.world)
@@ -73,7 +76,6 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         (out / "config.yaml").write_text(dump_config(cfg))
 
     tokenizer = load_tokenizer(cfg.model.path)
-    hf_config = load_hf_config(cfg.model)
     check_vocab(tokenizer, hf_config)
     check_combination(cfg)
     check_device(cfg, ctx.device)
@@ -114,6 +116,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         sampler.load_state_dict(saved["sampler"])
         start_step = sampler.position
 
+    predicted = write_prediction(cfg, hf_config, ctx, out)
     fpt = flops_per_token(matmul_params(n_params - n_trainable if cfg.peft.method != "none" else n_params,
                                         hf_config), hf_config.num_hidden_layers, hf_config.hidden_size, t.seq_len,
                           trainable=n_trainable if cfg.peft.method != "none" else None)
@@ -174,10 +177,46 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
                       max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank,
                       gather=backend.full_tensor)
     summary = _summary(cfg, ctx, state, total_steps, train_seconds, n_params, out)
+    if predicted is not None:
+        from shardtune.plan import compare
+
+        summary["plan"] = compare(predicted, state.history)
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         logger.print(_done_line(state.step, total_steps, train_seconds, out, cfg))
     return TrainResult(summary, backend)
+
+
+def resolve_plan_auto(cfg: Config, hf_config: Any, ctx: DistContext) -> Config:
+    """Workers started by torchrun directly (not through `shardtune train`, which resolves it first) plan
+    `auto` strategy / micro-batch themselves: the same pure function on every rank gives the same answer."""
+    if cfg.parallel.strategy != "auto" and cfg.train.micro_batch_size != "auto":
+        return cfg
+    from shardtune.plan import resolve_auto
+    from shardtune.plan.hardware import detect
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world))
+    resolved, plan = resolve_auto(cfg, hf_config, detect(), world=ctx.world, per_node=local, force=True)
+    log_rank0(ctx.rank, f"planner: {plan.reason()}")
+    return resolved
+
+
+def write_prediction(cfg: Config, hf_config: Any, ctx: DistContext, out: Path) -> dict[str, Any] | None:
+    """OUTPUT_DIR/plan.json: the planner's prediction for this run, so every run is a calibration point
+    (`shardtune plan --check OUTPUT_DIR`). On a CPU the 'device' is the host's share per process."""
+    from shardtune.plan import cpu_hardware, run_record
+    from shardtune.plan.hardware import detect
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world))
+    try:
+        hw = detect() if ctx.device.type == "cuda" else None
+        record = run_record(cfg, hf_config, hw or cpu_hardware(local), world=ctx.world, per_node=local)
+    except Exception as err:  # a model the planner cannot read must not stop training
+        log_rank0(ctx.rank, f"planner: no prediction for this run ({type(err).__name__}: {err})")
+        return None
+    if ctx.is_main:
+        (out / "plan.json").write_text(json.dumps(record, indent=2))
+    return record
 
 
 def write_hf_dir(path: Path, model: Any, base_model: Any, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
