@@ -65,11 +65,9 @@ def _sync(device: torch.device) -> None:
 def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int, warmup_s: float,
                      repeats: int = 5) -> float:
     """Seconds per call of fn: the median over `repeats` batches of `iters` back-to-back calls, after
-    `warmup_s` seconds of warm-up calls (CUDA events on a GPU, the wall clock on a CPU).
-
-    The warm-up is long enough for the GPU to settle at its sustained clocks, which is what a training run
-    gets: on the H200 here 8192^3 bf16 GEMMs ran at ~790 TFLOP/s for the first ~0.1 s, then ~660-690 at the
-    700 W power limit. Calls run back to back: a GPU idle between single calls reads lower still."""
+    `warmup_s` seconds of warm-up calls, at least one (CUDA events on a GPU, the wall clock on a CPU). Calls
+    run back to back: a GPU idle between single calls drops its clocks (8192^3 GEMMs timed one at a time
+    read ~665 TFLOP/s on the H200 here)."""
     end_warmup = time.perf_counter() + warmup_s
     while True:  # at least one call: the first pays for allocations and kernel selection
         fn()
@@ -94,12 +92,26 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, iters: int,
     return statistics.median(times)
 
 
-def matmul_flops(device: torch.device, n: int, iters: int, warmup_s: float,
-                 dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOP/s of an n x n x n matrix product (2·n³ FLOPs) on random data (zeros run faster on GPUs)."""
+def matmul_flops(device: torch.device, n: int, iters: int, sustain_s: float,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+    """(burst, sustained) FLOP/s of an n x n x n matrix product (2·n³ FLOPs) on random data (zeros run
+    faster on GPUs).
+
+    Burst: one batch of `iters` products after three warm-ups, the way the table's Hopper efficiency was
+    measured and the planner's step constants (plan/speed.py) were fitted against it. Sustained: after
+    `sustain_s` seconds of products, when a GPU at its power limit has lowered its clocks (H200 here:
+    ~790 TFLOP/s burst, 660-690 sustained at 700 W); recorded for comparison."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / seconds_per_call(lambda: torch.mm(a, b, out=out), device, iters, warmup_s)
+
+    def fn() -> object:
+        return torch.mm(a, b, out=out)
+
+    for _ in range(2):  # with seconds_per_call's own warm-up call: three
+        fn()
+    burst = seconds_per_call(fn, device, iters, warmup_s=0.0, repeats=1)
+    sustained = seconds_per_call(fn, device, iters, warmup_s=sustain_s)
+    return 2 * n**3 / burst, 2 * n**3 / sustained
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int, warmup_s: float) -> float:
@@ -276,10 +288,11 @@ def _steps(device: torch.device, sizes: Sizes, base: Hardware, gpus: int, adam_i
     s = sizes
 
     def matmul() -> tuple[dict[str, float], str]:
-        flops = matmul_flops(device, s.matmul_n, s.matmul_iters, s.warmup_s)
-        return ({"matmul_efficiency": flops / base.bf16_flops},
-                f"{s.matmul_n}^3 bf16 torch.mm on random data, median of 5 batches of {s.matmul_iters}: "
-                f"{flops / 1e12:.0f} TFLOP/s of the datasheet's {base.bf16_flops / 1e12:.0f}")
+        burst, sustained = matmul_flops(device, s.matmul_n, s.matmul_iters, s.warmup_s)
+        return ({"matmul_efficiency": burst / base.bf16_flops},
+                f"{s.matmul_n}^3 bf16 torch.mm on random data, {s.matmul_iters} back to back after 3 warm-ups: "
+                f"{burst / 1e12:.0f} TFLOP/s of the datasheet's {base.bf16_flops / 1e12:.0f}; sustained (after "
+                f"{s.warmup_s:g} s, median of 5 batches): {sustained / 1e12:.0f} TFLOP/s")
 
     def hbm() -> tuple[dict[str, float], str]:
         rate = copy_bandwidth(device, s.copy_bytes, s.copy_iters, s.warmup_s)

@@ -71,12 +71,13 @@ GPUS: dict[str, Hardware] = {
     for h in [
         # H200 SXM: 141 GB HBM3e at 4.8 TB/s (datasheet). torch reports 150,109,880,320 bytes (139.8 GiB;
         # nvidia-smi 143,771 MiB). Measured on the H200 lent here (`shardtune calibrate`, 2026-12-01): 8192^3
-        # bf16 GEMMs ~790 TFLOP/s for the first ~0.1 s, then 660-690 sustained at the 700 W power limit,
-        # which is what training gets (0.70 of 989); device copy 4.3 TB/s; pinned copies 55 GB/s each way.
-        Hardware("h200", 150_109_880_320, PEAK_FLOPS["H200"], 0.70, NVLINK4_BUS, IB_400G, 55e9, SERVER_ADAM, 4.3e12),
-        # H100 SXM5 80 GB: HBM3 3.35 TB/s; the H200's chip and power limit, so its sustained GEMM efficiency.
+        # bf16 GEMMs ~790 TFLOP/s in a burst (0.80 of 989: the efficiency kept here, which plan/speed.py's
+        # constants were fitted against), 660-690 sustained after ~0.5 s at the 700 W power limit; device
+        # copy 4.3 TB/s; pinned copies 55 GB/s each way.
+        Hardware("h200", 150_109_880_320, PEAK_FLOPS["H200"], 0.80, NVLINK4_BUS, IB_400G, 55e9, SERVER_ADAM, 4.3e12),
+        # H100 SXM5 80 GB: HBM3 3.35 TB/s; the H200's chip and power limit, so its GEMM efficiency.
         # torch: 81,090 MiB.
-        Hardware("h100", 81090 * MIB, PEAK_FLOPS["H100"], 0.70, NVLINK4_BUS, IB_400G, PCIE5, SERVER_ADAM,
+        Hardware("h100", 81090 * MIB, PEAK_FLOPS["H100"], 0.80, NVLINK4_BUS, IB_400G, PCIE5, SERVER_ADAM,
                  3.35e12 * HBM_ACHIEVED),
         # H100 PCIe 80 GB: 756 TFLOP/s bf16 dense at 350 W, HBM2e 2.0 TB/s, no NVLink unless bridged in
         # pairs. torch: 81,008 MiB. Efficiency an estimate (power-capped).
@@ -106,8 +107,8 @@ GPUS: dict[str, Hardware] = {
         Hardware("l4", 22593 * MIB, PEAK_FLOPS["L4"], 0.60, PCIE4_BUS, ETH_100G_PER_8, PCIE4, SERVER_ADAM,
                  300e9 * HBM_ACHIEVED),
         # B200 (HGX): 2.25 PFLOP/s bf16 dense, 180 GB HBM3e at 8 TB/s, NVLink 5, one 400 Gb/s NIC per GPU.
-        # torch: 182,631 MiB. Efficiency an estimate (Hopper's sustained).
-        Hardware("b200", 182631 * MIB, PEAK_FLOPS["B200"], 0.70, NVLINK5_BUS, IB_400G, PCIE5, SERVER_ADAM,
+        # torch: 182,631 MiB. Efficiency an estimate (Hopper's).
+        Hardware("b200", 182631 * MIB, PEAK_FLOPS["B200"], 0.80, NVLINK5_BUS, IB_400G, PCIE5, SERVER_ADAM,
                  8e12 * HBM_ACHIEVED),
     ]
 }
