@@ -43,8 +43,9 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                            "optim.name=adamw8bit"]),
         ("1b-zero2-mb4-compile", "1b-compile", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=4",
                                                  "parallel.compile=true"]),
-        ("1b-zero3-mb8-compile-ac", "1b-compile-mb8", [*ONE_B, "parallel.strategy=zero3", "train.micro_batch_size=8",
-                                                        "parallel.compile=true", "parallel.activation_checkpointing=full"]),
+        ("1b-zero3-mb8-compile-ac", "1b-compile-mb8",
+         [*ONE_B, "parallel.strategy=zero3", "train.micro_batch_size=8", "parallel.compile=true",
+          "parallel.activation_checkpointing=full"]),
     ],
     "b": [
         ("8b-lora-mb2-ac", "8b-lora", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
@@ -58,6 +59,19 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("1b-ds-zero3-oo-mb4", "1b-offload", [*ONE_B, "parallel.backend=deepspeed", "parallel.strategy=zero3",
                                               "parallel.offload=optimizer", "train.micro_batch_size=4"]),
     ],
+    # Held out from the fit of the planner's constants (rows a and b were fitted), plus the planner's own pick.
+    "c": [
+        ("1b-auto", "1b-auto", [*ONE_B, "parallel.strategy=auto", "train.micro_batch_size=auto"]),
+        ("1b-zero3-mb8-ac", "1b-s2048-mb8", [*ONE_B, "parallel.strategy=zero3", "train.micro_batch_size=8",
+                                             "parallel.activation_checkpointing=full"]),
+        ("1b-zero2-mb2", "1b-mb2", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=2"]),
+        ("1b-ds-zero3-mb4", "1b-s2048", [*ONE_B, "parallel.backend=deepspeed", "parallel.strategy=zero3",
+                                         "train.micro_batch_size=4"]),
+        ("8b-qlora-mb4-ac", "8b-qlora-mb4", [*EIGHT_B, "peft.method=qlora", "parallel.strategy=zero3",
+                                             "train.micro_batch_size=4", "parallel.activation_checkpointing=full"]),
+        ("1b-ds-zero3-oo-mb4", "1b-offload", [*ONE_B, "parallel.backend=deepspeed", "parallel.strategy=zero3",
+                                              "parallel.offload=optimizer", "train.micro_batch_size=4"]),
+    ],
     "tiny": [
         ("tiny-zero2", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero2", "train.micro_batch_size=2",
                                 "train.seq_len=256"]),
@@ -67,22 +81,32 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
-def host_rss_sampler(pgid: int, stop: threading.Event, peak: list[float]) -> None:
-    """Largest sum of VmRSS (bytes) over the processes of one process group."""
+def _tree_rss(root: int) -> int:
+    """Sum of VmRSS (bytes) over `root` and its descendants (torchrun's workers start sessions of their own)."""
+    parent, rss = {}, {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            parent[int(pid)] = int(fields[1])
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss[int(pid)] = int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo += [c for c, pp in parent.items() if pp == p and c not in tree]
+    return sum(rss.get(p, 0) for p in tree)
+
+
+def host_rss_sampler(root: int, stop: threading.Event, peak: list[float]) -> None:
+    """Largest sum of VmRSS over a process tree, sampled every 0.5 s."""
     while not stop.is_set():
-        total = 0
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                if os.getpgid(int(pid)) != pgid:
-                    continue
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-            except (OSError, ProcessLookupError, ValueError):
-                continue
-        peak[0] = max(peak[0], total)
+        peak[0] = max(peak[0], _tree_rss(root))
         stop.wait(0.5)
 
 
@@ -112,7 +136,9 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, data: Pat
     train = [r for r in records if not r.get("eval") and "tokens_per_sec_per_device" in r]
     steady = [r["tokens_per_sec_per_device"] for r in train if r["step"] - 2 >= args.warmup] or \
         [r["tokens_per_sec_per_device"] for r in train]
-    row.update(pred_alloc=plan["memory_gib"]["allocated"], pred_reserved=plan["memory_gib"]["reserved"],
+    knobs = ("backend", "strategy", "offload", "activation_checkpointing", "micro_batch_size")
+    row.update(knobs={k: plan[k] for k in knobs}, pred_alloc=plan["memory_gib"]["allocated"],
+               pred_reserved=plan["memory_gib"]["reserved"],
                pred_total=plan["memory_gib"]["total"], pred_tps=plan["tokens_per_sec_per_gpu"],
                pred_host=plan["host_memory_gib"], terms=plan["memory_gib"], time_terms=plan["time_terms_s"])
     if train:

@@ -59,6 +59,9 @@ ETH_10G = 10e9 / 8  # a workstation's 10 GbE
 # parameter (fp32 param, grad, two moments); a two-socket server moves ~100+ GB/s through it, a desktop
 # with two DDR5 channels ~20. Rough: `shardtune calibrate` measures the real rate.
 SERVER_ADAM = 2e9
+# The one-GPU H200 machine's 16 host cores: 1.46e9 parameters/s, from a DeepSpeed ZeRO-3 + CPU-offload run
+# of the 1B shape (step time less the planner's GPU and PCIe terms; bench/RESULTS.md, planner accuracy).
+H200_HOST_ADAM = 1.46e9
 DESKTOP_ADAM = 0.5e9
 
 # Device memory: achieved copy rates are ~90% of the datasheet's (the H200 here: 4.3 of 4.8 TB/s).
@@ -74,7 +77,7 @@ GPUS: dict[str, Hardware] = {
         # bf16 GEMMs ~790 TFLOP/s in a burst (0.80 of 989: the efficiency kept here, which plan/speed.py's
         # constants were fitted against), 660-690 sustained after ~0.5 s at the 700 W power limit; device
         # copy 4.3 TB/s; pinned copies 55 GB/s each way.
-        Hardware("h200", 150_109_880_320, PEAK_FLOPS["H200"], 0.80, NVLINK4_BUS, IB_400G, 55e9, SERVER_ADAM, 4.3e12),
+        Hardware("h200", 150_109_880_320, PEAK_FLOPS["H200"], 0.80, NVLINK4_BUS, IB_400G, 55e9, H200_HOST_ADAM, 4.3e12),
         # H100 SXM5 80 GB: HBM3 3.35 TB/s; the H200's chip and power limit, so its GEMM efficiency.
         # torch: 81,090 MiB.
         Hardware("h100", 81090 * MIB, PEAK_FLOPS["H100"], 0.80, NVLINK4_BUS, IB_400G, PCIE5, SERVER_ADAM,

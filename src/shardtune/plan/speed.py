@@ -13,18 +13,28 @@ from shardtune.plan.memory import NF4_BYTES
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape
 
-# Share of the calibrated matmul rate a whole training step reaches, as a function of the hidden width
-# (small GEMMs and the non-matmul kernels weigh more in small models): EFF_MAX * h / (h + EFF_H0).
-EFF_MAX = 0.76
-EFF_H0 = 1400.0
+# Share of the calibrated matmul rate a whole training step reaches. It grows with the hidden width h
+# (small GEMMs and the non-matmul kernels weigh more in small models) and with the work of one GEMM,
+# tokens x h (a micro-batch of few tokens leaves the GPU underfilled):
+#     EFF_MAX * h / (h + EFF_H0) * (T h) / (T h + EFF_X0)
+# Fitted to the planner-accuracy rows of bench/RESULTS.md (one H200; 1B and 8B shapes, 4k-16k tokens).
+# Least-squares fit over 13 rows (log error; grid over EFF_H0 and EFF_X0, EFF_MAX the log-mean): 3.9% rms.
+EFF_MAX = 0.752
+EFF_H0 = 700.0
+EFF_X0 = 2.5e6
 # torch.compile of each block fuses the elementwise kernels (measured 1.20-1.23x on the 1B shape).
 COMPILE_SPEEDUP = 1.2
-# DeepSpeed's engine against FSDP2 on the same work (measured on one H200: zero2 0.84x, zero3 0.71x).
-DEEPSPEED_EFF = {"ddp": 0.84, "zero1": 0.84, "zero2": 0.84, "zero3": 0.71}
-# DDP runs mixed precision through autocast, which casts weights every forward (measured ~0.91x).
-AUTOCAST_EFF = 0.91
-# LoRA's adapter matmuls are small and memory-bound: extra seconds per token per adapted weight element.
+# DeepSpeed's engine against FSDP2 on the same work, one H200 (zero2: 0.92x, measured with overlap_comm off
+# on one GPU; zero3: 0.71x).
+DEEPSPEED_EFF = {"ddp": 0.92, "zero1": 0.92, "zero2": 0.92, "zero3": 0.71}
+# DDP runs mixed precision through autocast, which casts weights every forward (measured 0.95x of zero2).
+AUTOCAST_EFF = 0.95
+# LoRA's adapter matmuls are small and memory-bound: bytes moved per adapter element per token, at HBM speed.
 LORA_OVERHEAD = 0.1
+# The optimizer step streams every trainable parameter's state: fused AdamW reads fp32 p, g, m, v and writes
+# p, m, v (28 bytes); torchao's 8-bit AdamW (dequantise, update, requantise in eager blocks) costs as much as
+# moving ~125 bytes (measured: 0.93x of AdamW on the 1B shape).
+OPTIM_BYTES = {"adamw": 28.0, "adamw8bit": 125.0}
 # The fused NF4 dequantisation kernel reaches about a third of the HBM bandwidth (bench/nf4_linear.py:
 # 1,722 GB/s on an H200).
 DEQUANT_EFFICIENCY = 0.35
@@ -70,7 +80,8 @@ def model_flops_per_token(m: ModelShape, s: Setting) -> float:
 
 
 def kernel_efficiency(m: ModelShape, s: Setting) -> float:
-    eff = EFF_MAX * m.hidden / (m.hidden + EFF_H0)
+    work = s.tokens * m.hidden
+    eff = EFF_MAX * m.hidden / (m.hidden + EFF_H0) * work / (work + EFF_X0)
     if s.compile:
         eff *= COMPILE_SPEEDUP
     if s.backend == "deepspeed":
@@ -137,6 +148,15 @@ def comm_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     return seconds
 
 
+def gather_copy_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
+    """FSDP2 copies each gathered block in and out of its all-gather buffer (also on a mesh of one, where it
+    is the cast to the compute dtype): zero3 twice per micro-batch, zero2 once; through HBM, not hidden."""
+    if s.backend != "fsdp2" or s.strategy == "ddp":
+        return 0.0
+    gathers = 1 if s.strategy == "zero2" else 2
+    return gathers * s.grad_accum * 2 * m.params * s.compute_bytes / hw.hbm_bytes_per_s
+
+
 def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     """DeepSpeed ZeRO-Offload: each rank's fp32 gradients go to the host and its updated compute-dtype
     parameters come back over PCIe, and the node's CPU runs AdamW over the node's partitions (ranks on a
@@ -164,13 +184,18 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
         passes = 3 if s.activation_checkpointing == "full" else 2
         compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / (
             hw.hbm_bytes_per_s * DEQUANT_EFFICIENCY)
+    trainable = m.params if s.peft == "none" else m.lora_params
+    optim = trainable / s.optim_shards() * OPTIM_BYTES[s.optim] / hw.hbm_bytes_per_s if s.offload == "none" else 0.0
     comm = comm_seconds(m, s, hw)
+    copies = gather_copy_seconds(m, s, hw)
     exposed = max(comm - OVERLAP * compute, (1 - OVERLAP) * comm)
     offload = offload_seconds(m, s, hw)
     overhead = STEP_OVERHEAD_S * s.grad_accum
-    seconds = compute + exposed + offload + overhead
+    seconds = compute + optim + copies + exposed + offload + overhead
     tps = tokens / seconds
     mfu = tps * model_flops_per_token(m, s) / hw.bf16_flops
     return StepTime(seconds=seconds, tokens_per_sec_per_gpu=tps, mfu=mfu,
-                    terms={"compute": compute, "communication": exposed, "offload": offload, "overhead": overhead},
+                    terms={"compute": compute, "optimizer": optim, "gather_copies": copies, "communication": exposed,
+                           "offload": offload,
+                           "overhead": overhead},
                     comm_bytes=comm_bytes(m, s))
