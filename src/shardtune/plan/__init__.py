@@ -120,7 +120,10 @@ def resolve_hardware(gpu: str | None = None, gpu_memory: str | None = None, cali
 
     from shardtune.plan import hardware as hwmod
 
-    hw = hwmod.lookup(gpu) if gpu else hwmod.detect()
+    try:
+        hw = hwmod.lookup(gpu) if gpu else hwmod.detect()
+    except ShardtuneError as err:
+        raise ShardtuneError(f"--gpu: {err}") from None
     path = Path(calibration) if calibration else hwmod.calibration_path()
     if calibration and not path.is_file():
         raise ShardtuneError(f"--calibration: {str(path)!r} does not exist; run `shardtune calibrate --out "
@@ -227,11 +230,34 @@ def refusal(plan: Plan) -> str | None:
         head = (f"predicted {chosen.memory.host_total / GIB:.0f} GiB of host memory per node > "
                 f"{(plan.result.host_capacity or 0) / GIB:.0f} GiB here")
     fixes = smallest_fixes(plan.result)
+    if len(fixes) < 2:
+        fixes = (fixes + _smaller_micro_batches(plan))[:2]
     if not fixes:
         return f"{head}: nothing the planner tried fits; use more GPUs, peft.method=lora or qlora, or --force"
     said = [" ".join(f"{k}={v}" for k, v in diff.items()) + f" fits ({c.memory.total / GIB:.0f} GiB)"
             for diff, c in fixes]
     return f"{head}: {', or '.join(said)}; --force runs anyway"
+
+
+def _smaller_micro_batches(plan: Plan) -> list[tuple[dict[str, Any], Candidate]]:
+    """Fixes that split the micro-batch and accumulate more, keeping the global batch (the config fixed the
+    micro-batch, so the search did not vary it)."""
+    from shardtune.plan.search import price, smallest_fixes
+
+    base = plan.configured.setting
+    per_step = base.micro_batch_size * base.grad_accum
+    out: list[tuple[dict[str, Any], Candidate]] = []
+    for mb in (m for m in (8, 4, 2, 1) if m < base.micro_batch_size and per_step % m == 0):
+        extended = Search([], plan.configured, None, plan.result.capacity, plan.result.host_capacity)
+        for c in plan.result.candidates:
+            s = c.setting.replace(micro_batch_size=mb, grad_accum=per_step // mb)
+            extended.candidates.append(price(plan.shape, s, plan.hardware, extended.capacity, extended.host_capacity))
+        for diff, c in smallest_fixes(extended):
+            diff["train.grad_accum"] = per_step // mb
+            out.append((diff, c))
+        if out:
+            break
+    return out
 
 
 def resolve_auto(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: int,

@@ -1,0 +1,279 @@
+"""The planner: memory terms against hand-computed values and the ZeRO paper, monotonicity, the activation
+formula against autograd's own saved tensors, the search, refusals, and bad input (no processes, no GPU)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardtune.cli import main
+from shardtune.config import load_config
+from shardtune.errors import ShardtuneError
+from shardtune.models.presets import preset_config
+from shardtune.plan import make_plan, refusal, resolve_auto, resolve_hardware
+from shardtune.plan.hardware import lookup
+from shardtune.plan.memory import (
+    GIB,
+    NF4_BYTES,
+    activation_bytes_per_token_layer,
+    activations,
+    gpu_memory,
+    logits_bytes,
+    model_states,
+)
+from shardtune.plan.setting import Setting
+from shardtune.plan.shape import ModelShape, model_shape
+from shardtune.plan.speed import comm_bytes, step_time, train_flops_per_token
+
+H200 = lookup("h200")
+
+
+@pytest.fixture(scope="module")
+def one_b() -> ModelShape:
+    return model_shape(preset_config("llama-3.2-1b"))
+
+
+@pytest.fixture(scope="module")
+def eight_b() -> ModelShape:
+    return model_shape(preset_config("llama-3-8b"))
+
+
+def test_shape_counts_match_the_published_sizes(one_b: ModelShape, eight_b: ModelShape) -> None:
+    assert one_b.params == 1_235_814_400 and eight_b.params == 8_030_261_248
+    assert one_b.head_params == 0 and eight_b.head_params == 128256 * 4096  # 1B ties its head
+    assert (one_b.hidden, one_b.ffn, one_b.kv_dim, one_b.layers) == (2048, 8192, 512, 16)
+    # LoRA r=16 on the 7 projections of a Llama-3-8B block: r * (in + out) summed, times 32 blocks.
+    per_block = 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 2 + (14336 + 4096))
+    assert eight_b.lora_params == 32 * per_block
+    assert eight_b.target_params == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+
+
+def _paper_shape(params: int) -> ModelShape:
+    return ModelShape("llama", params, 1, params, 0, 0, 1024, 4096, 8, 1024, 32000, 0, 0)
+
+
+@pytest.mark.parametrize(("strategy", "gb"), [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
+def test_zero_paper_model_states(strategy: str, gb: float) -> None:
+    """ZeRO (Rajbhandari et al. 2020), figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12):
+    120 / 31.4 / 16.6 / 1.9 GB per GPU for DDP and stages 1 / 2 / 3."""
+    s = Setting(backend="deepspeed", strategy=strategy, precision="fp16", world=64, per_node=8)
+    states = model_states(_paper_shape(7_500_000_000), s)
+    held = states["parameters"] + states["master_weights"] + states["gradients"] + states["optimizer"]
+    assert held / 1e9 == pytest.approx(gb, abs=0.05)
+
+
+def test_fsdp2_model_states_are_16_bytes_per_parameter_over_the_shards(one_b: ModelShape) -> None:
+    for world in (1, 2, 8, 64):
+        states = model_states(one_b, Setting(strategy="zero3", world=world, per_node=min(world, 8)))
+        assert sum(states.values()) == pytest.approx(16 * one_b.params / world)
+    lora = model_states(one_b, Setting(strategy="zero3", peft="lora", world=4, per_node=4))
+    # Frozen base in bf16 (2 bytes), adapters with fp32 masters, grads and two moments; all sharded.
+    assert lora["parameters"] == pytest.approx((2 * one_b.params + 4 * one_b.lora_params) / 4)
+    assert lora["optimizer"] == pytest.approx(8 * one_b.lora_params / 4)
+    qlora = model_states(one_b, Setting(strategy="zero3", peft="qlora", world=1))
+    frozen = one_b.target_params * NF4_BYTES + (one_b.params - one_b.target_params) * 2
+    assert qlora["parameters"] == pytest.approx(frozen + 4 * one_b.lora_params)
+    eight = model_states(one_b, Setting(strategy="zero2", optim="adamw8bit"))
+    assert eight["optimizer"] / one_b.params == pytest.approx(2.03, abs=0.01)
+
+
+def test_activation_terms_by_hand(one_b: ModelShape) -> None:
+    s = Setting(micro_batch_size=4, seq_len=2048)
+    # 8h + 6ph + 2pk + 4pf + 4a with p = 2: 16384 + 24576 + 2048 + 65536 + 128
+    assert activation_bytes_per_token_layer(one_b, s) == 108_672
+    assert activations(one_b, s) == (16 * 108_672 * 8192, 0.0)
+    saved, recompute = activations(one_b, replace(s, activation_checkpointing="full"))
+    assert saved == 16 * 2 * 2048 * 8192 and recompute == 108_672 * 8192
+    assert logits_bytes(one_b, s) == (2 * 2 + 8) * 128256 * 8192
+    compiled = activation_bytes_per_token_layer(one_b, replace(s, compile=True))
+    assert compiled == 108_672 - 8 * 2048 - 2 * 8192
+
+
+def test_activation_formula_matches_autograds_saved_tensors() -> None:
+    """Cross-check against PyTorch itself: the bytes autograd saves in one real decoder block (bf16, sdpa, on
+    CPU), parameters and the cos/sin tables shared by every layer left out."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_config("tiny-llama")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(seq)[None].expand(batch, seq)
+    cos, sin = model.model.rotary_emb(x, pos)
+    shared = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in shared:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[0](x, position_embeddings=(cos, sin), position_ids=pos, attention_mask=None)
+    measured = sum(saved.values()) / (batch * seq)
+    predicted = activation_bytes_per_token_layer(model_shape(cfg), Setting(micro_batch_size=batch, seq_len=seq))
+    assert measured == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_more_gpus_never_raise_model_states_or_the_peak(one_b: ModelShape, strategy: str) -> None:
+    last = None
+    for world in (1, 2, 4, 8, 16, 32, 64):
+        s = Setting(strategy=strategy, micro_batch_size=2, world=world, per_node=min(world, 8))
+        now = (sum(model_states(one_b, s).values()), gpu_memory(one_b, s).allocated)
+        if last is not None:
+            assert now[0] <= last[0]
+            assert now[1] <= last[1] + 4 * one_b.block_params  # the reduce-scatter buffer appears at world 2
+        last = now
+
+
+@pytest.mark.parametrize("peft", ["none", "lora", "qlora"])
+def test_checkpointing_never_raises_activations_or_the_peak(eight_b: ModelShape, peft: str) -> None:
+    for mb, seq in [(1, 512), (2, 2048), (8, 8192)]:
+        off = Setting(strategy="zero3", peft=peft, micro_batch_size=mb, seq_len=seq)
+        on = replace(off, activation_checkpointing="full")
+        assert sum(activations(eight_b, on)) <= sum(activations(eight_b, off))
+        assert gpu_memory(eight_b, on).allocated <= gpu_memory(eight_b, off).allocated
+
+
+def test_terms_add_up_and_offload_moves_states_to_the_host(one_b: ModelShape) -> None:
+    s = Setting(backend="deepspeed", strategy="zero3", micro_batch_size=4, world=8, per_node=8)
+    mem = gpu_memory(one_b, s)
+    assert sum(mem.terms.values()) == pytest.approx(mem.allocated)
+    assert mem.total > mem.reserved > mem.allocated
+    off = gpu_memory(one_b, replace(s, offload="optimizer"))
+    assert "optimizer" not in off.terms and "master_weights" not in off.terms
+    assert off.allocated < mem.allocated
+    # The node holds its 8 ranks' partitions: fp32 masters, moments and gradients (16 bytes) + (p + 4) staging.
+    assert off.host["offload"] == pytest.approx((16 + 6) * one_b.params)
+    staged = gpu_memory(one_b, replace(s, async_checkpoint=True)).host["checkpoint_staging"]
+    assert staged == pytest.approx(12 * one_b.params)  # one host copy of the node's share: all of it here
+
+
+def test_flops_and_communication_per_strategy(one_b: ModelShape) -> None:
+    s = Setting(seq_len=2048)
+    assert train_flops_per_token(one_b, s) == 6 * one_b.params + 12 * 16 * 2048 * 2048
+    ac = train_flops_per_token(one_b, replace(s, activation_checkpointing="full"))
+    assert ac - train_flops_per_token(one_b, s) == 2 * 16 * one_b.block_params + 4 * 16 * 2048 * 2048
+    lora = train_flops_per_token(one_b, replace(s, peft="lora"))
+    assert lora == 4 * one_b.params + 6 * one_b.lora_params + 12 * 16 * 2048 * 2048
+    n = one_b.params
+    for world in (2, 8):
+        ring = (world - 1) / world
+        z3 = comm_bytes(one_b, Setting(strategy="zero3", world=world, per_node=world))
+        assert z3 == {"all_gather": pytest.approx(2 * 2 * n * ring), "reduce_scatter": pytest.approx(4 * n * ring)}
+        z2 = comm_bytes(one_b, Setting(strategy="zero2", world=world, per_node=world))
+        assert z2["all_gather"] == pytest.approx(2 * n * ring)
+        assert comm_bytes(one_b, Setting(strategy="ddp", world=world, per_node=world)) == {
+            "all_reduce": pytest.approx(2 * 4 * n * ring)}
+    # hsdp over 4 nodes of 8: zero3 inside a node, the sharded gradients all-reduced across the 4 groups.
+    h = comm_bytes(one_b, Setting(strategy="hsdp", world=32, per_node=8))
+    assert h["all_reduce"] == pytest.approx(2 * 4 * n / 8 * 3 / 4)
+    assert comm_bytes(one_b, Setting(world=1)) == {}
+
+
+def test_a_job_across_nodes_pays_the_inter_node_network(one_b: ModelShape) -> None:
+    one_node = step_time(one_b, Setting(strategy="zero3", micro_batch_size=1, world=8, per_node=8), H200)
+    two_nodes = step_time(one_b, Setting(strategy="zero3", micro_batch_size=1, world=16, per_node=8), H200)
+    hsdp = step_time(one_b, Setting(strategy="hsdp", micro_batch_size=1, world=16, per_node=8), H200)
+    assert two_nodes.terms["communication"] > one_node.terms["communication"]
+    assert hsdp.seconds < two_nodes.seconds  # hsdp keeps the gathers on NVLink
+
+
+def _cfg(*overrides: str):
+    return load_config("bench/bench.yaml", ["data.train_file=examples/data/tasks.jsonl", *overrides])
+
+
+def test_search_refuses_what_does_not_fit_and_names_the_smallest_fix() -> None:
+    cfg = _cfg("model.preset=llama-3.2-1b", "parallel.strategy=zero2", "train.micro_batch_size=8",
+               "train.seq_len=4096")
+    plan = make_plan(cfg, preset_config("llama-3.2-1b"), lookup("h100"), world=1, per_node=1)
+    assert not plan.configured.fits
+    line = refusal(plan)
+    assert line is not None and "\n" not in line
+    assert line.startswith("predicted ") and "GiB per GPU > 75 GiB usable on h100" in line
+    assert "train.micro_batch_size=" in line and "train.grad_accum=" in line and line.endswith("--force runs anyway")
+    assert all(c.fits for c in plan.result.candidates if c.usable)
+    # Half the sequence fits an H200 as it is.
+    half = _cfg("model.preset=llama-3.2-1b", "parallel.strategy=zero2", "train.micro_batch_size=8")
+    assert refusal(make_plan(half, preset_config("llama-3.2-1b"), H200, world=1, per_node=1)) is None
+
+
+def test_auto_takes_the_fastest_that_fits_and_keeps_what_the_config_sets() -> None:
+    cfg = _cfg("model.preset=llama-3.2-1b", "parallel.strategy=auto", "train.micro_batch_size=auto")
+    resolved, plan = resolve_auto(cfg, preset_config("llama-3.2-1b"), H200, world=1, per_node=1)
+    usable = [c for c in plan.result.candidates if c.usable]
+    assert plan.pick is max(usable, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total))
+    assert resolved.parallel.strategy == plan.pick.setting.strategy
+    assert resolved.train.micro_batch_size == plan.pick.setting.micro_batch_size
+    # What the config sets explicitly stays: the search only varies the rest.
+    fixed = _cfg("model.preset=llama-3.2-1b", "parallel.strategy=auto", "parallel.backend=deepspeed",
+                 "parallel.activation_checkpointing=full")
+    resolved, plan = resolve_auto(fixed, preset_config("llama-3.2-1b"), H200, world=1, per_node=1)
+    assert (resolved.parallel.backend, resolved.parallel.activation_checkpointing) == ("deepspeed", "full")
+    assert resolved.train.micro_batch_size == 4  # bench.yaml sets it
+
+
+def test_nothing_fits_is_refused_in_one_line() -> None:
+    cfg = _cfg("model.preset=llama-3-70b", "parallel.strategy=auto", "train.micro_batch_size=auto")
+    small = replace(lookup("l4"), memory_bytes=8 * GIB)
+    with pytest.raises(ShardtuneError, match="no way to run this config fits on l4"):
+        resolve_auto(cfg, preset_config("llama-3-70b"), small, world=1, per_node=1)
+
+
+def test_plan_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "examples/tiny.yaml", "--gpu", "a100-80gb", "--nproc", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"]["name"] == "a100-80gb" and out["world"] == 4 and out["pick"]
+    for c in out["candidates"]:
+        assert {"backend", "strategy", "offload", "activation_checkpointing", "micro_batch_size", "memory_gib",
+                "host_memory_gib", "tokens_per_sec_per_gpu", "fits"} <= set(c)
+        assert c["memory_gib"]["total"] >= c["memory_gib"]["allocated"] > 0
+
+
+def test_plan_table_and_refusal_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "bench/bench.yaml", "data.train_file=examples/data/tasks.jsonl", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "<- pick" in out and "<- config" in out and "tok/s/GPU" in out
+    code = main(["validate", "bench/bench.yaml", "data.train_file=examples/data/tasks.jsonl", "--gpu", "h100",
+                 "train.seq_len=4096", "train.micro_batch_size=8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: predicted ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpu", "tpu-v9"], "--gpu"),
+    (["--gpu", "h100", "--gpu-memory", "lots"], "lots"),
+    (["--gpu-memory", "80GiB", "--calibration", "/nonexistent/cal.json"], "--calibration"),
+    (["--nnodes", "0"], "--nnodes"),
+])
+def test_bad_plan_input_is_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "examples/tiny.yaml", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_models_the_planner_cannot_read_are_refused(tmp_path) -> None:
+    enc_dec = tmp_path / "t5"
+    enc_dec.mkdir()
+    (enc_dec / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
+    assert main(["plan", "examples/tiny.yaml", f"model.path={enc_dec}", "model.preset=null", "--gpu", "h100"]) == 2
+    from types import SimpleNamespace
+
+    with pytest.raises(ShardtuneError, match="the planner needs the model's sizes"):
+        from shardtune.plan.shape import _width
+
+        _width(SimpleNamespace(model_type="odd"), "hidden_size", "n_embd")
+
+
+def test_calibration_file_replaces_the_tables_rates(tmp_path) -> None:
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"name": "h200", "bf16_flops": 500e12, "matmul_efficiency": 0.7}))
+    hw = resolve_hardware("h200", None, str(cal))
+    assert hw.bf16_flops == 500e12 and hw.memory_bytes == H200.memory_bytes
+    assert resolve_hardware("h100", "40GiB", str(cal)).memory_bytes == 40 * GIB  # another type: table + memory
