@@ -12,9 +12,11 @@ from shardtune.config import Config, load_config
 from shardtune.errors import ShardtuneError
 
 
-def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False) -> Config:
+def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False,
+             overwrite: bool = False) -> Config:
     """Check config, model, tokenizer and data (tokenised into the cache, so the workers that follow
-    find it there), and that one global batch fits the data. With quiet=False print a report.
+    find it there), that one global batch fits the data, and that the run's final model/adapter folder
+    may be written (`overwrite`: train --overwrite). With quiet=False print a report.
     Raises ShardtuneError (exit code 2) on the first problem."""
     from shardtune.launch import resolve_nproc
     from shardtune.models.build import load_hf_config
@@ -34,6 +36,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
             raise ShardtuneError(f"{key}: {path!r} does not exist; give a data file or folder")
     world = resolve_nproc(nproc_flag, cfg.parallel.nproc)
     check_combination(cfg, world)
+    check_final_dir(cfg, overwrite)
     tokenizer = load_tokenizer(cfg.model.path)
     check_vocab(tokenizer, hf_config)
     if cfg.checkpoint.resume not in (None, "auto"):
@@ -50,6 +53,19 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         return cfg
     _report(cfg, hf_config, tokenizer, world)
     return cfg
+
+
+def check_final_dir(cfg: Config, overwrite: bool = False) -> None:
+    """The folder a finished run writes (OUTPUT_DIR/model, or adapter with LoRA) must be new, empty or an
+    earlier one of shardtune's of the same kind, unless --overwrite: checked before training, not after it."""
+    from shardtune.checkpoint.outdir import check_output_dir
+
+    if not cfg.checkpoint.save_final:
+        return
+    kind = "adapter" if cfg.peft.method != "none" else "model"
+    check_output_dir(Path(cfg.train.output_dir) / kind, kind, overwrite=overwrite,
+                     fix="use another --output-dir, or add --overwrite to `shardtune train` to replace it and "
+                         "everything in it")
 
 
 def check_combination(cfg: Config, world: int | None = None) -> None:
