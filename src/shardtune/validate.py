@@ -37,7 +37,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     world = resolve_nproc(nproc_flag, cfg.parallel.nproc)
     check_combination(cfg, world)
     check_final_dir(cfg, overwrite)
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(tokenizer, hf_config)
     if cfg.checkpoint.resume not in (None, "auto"):
         from shardtune.checkpoint.dcp import resolve_checkpoint

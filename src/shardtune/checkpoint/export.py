@@ -71,7 +71,9 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
     """Write checkpoint (a step directory, or a run directory: its newest checkpoint) as an HF model
     directory; a LoRA checkpoint as a PEFT adapter directory, or with merge_lora as a merged model.
     `out_dir` must be new, empty, or an earlier export of the same kind, unless `overwrite`."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from shardtune.models.build import read_hf_config
 
     path = resolve_checkpoint(checkpoint)
     assert path is not None
@@ -85,8 +87,16 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
     check_output_dir(out, "adapter" if lora and not merge_lora else "model", overwrite=overwrite)  # before any work
     if lora and not merge_lora:
         return export_adapter(path, out, overwrite=overwrite)
-    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    # A checkpoint's code never runs, whatever its run allowed: its files may come from anyone.
+    hint = "shardtune export never runs a checkpoint's code; use the model the run wrote to OUTPUT_DIR/model"
+    hf_config = read_hf_config(hf_dir, key="checkpoint", hint=hint)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
+    except ValueError as err:
+        if "custom code" not in str(err):
+            raise
+        raise ShardtuneError(f"checkpoint: the tokenizer in {str(hf_dir)!r} needs its own Python code; {hint}") \
+            from None
     if dtype == "auto":
         precision = read_trainer_state(path).get("config", {}).get("train", {}).get("precision", "bf16")
         dtype = "fp32" if precision == "fp32" else "bf16"

@@ -74,7 +74,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
 
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     hf_config = load_hf_config(cfg.model)
     check_vocab(tokenizer, hf_config)
     check_combination(cfg)
