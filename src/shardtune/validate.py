@@ -75,9 +75,13 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
     from shardtune.peft.qlora import nf4_available
 
     _check_backend(cfg)
+    if cfg.peft.method != "none" and (failed := peft_import_error()) is not None:
+        raise ShardtuneError(f"peft.method: {cfg.peft.method} needs the peft package (import peft failed: {failed}); "
+                             f"pip install -e '.[peft]' in the shardtune checkout (or pip install peft), or use "
+                             f"peft.method=none")
     if cfg.peft.method == "qlora" and not nf4_available():
         raise ShardtuneError("peft.method: qlora needs torchao (NF4 weights that FSDP2 can shard); "
-                             "pip install 'shardtune[qlora]'")
+                             "pip install -e '.[qlora]' in the shardtune checkout")
     if cfg.peft.method == "qlora" and cfg.peft.use_dora:
         raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
                              "offer here; use peft.method=lora with DoRA, or qlora without it")
@@ -88,7 +92,7 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
                              f"train.precision={base}")
     if cfg.optim.name == "adamw8bit" and not adamw8bit_available():
         raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
-                             "pip install 'shardtune[qlora]'")
+                             "pip install -e '.[qlora]' in the shardtune checkout")
     if world is not None and cfg.parallel.strategy == "hsdp":
         from shardtune.parallel.fsdp2 import hsdp_shard_size
 
@@ -102,7 +106,8 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
         failed = deepspeed_import_error()
         if failed is not None:
             raise ShardtuneError(f"parallel.backend: deepspeed needs the deepspeed package (import deepspeed failed: "
-                                 f"{failed}); pip install 'shardtune[deepspeed]', or use parallel.backend=fsdp2")
+                                 f"{failed}); pip install -e '.[deepspeed]' in the shardtune checkout, or use "
+                                 "parallel.backend=fsdp2")
         if ds is not None:
             check_deepspeed_accepts(ds)
 
@@ -188,6 +193,18 @@ def _check_backend(cfg: Config) -> None:
         raise ShardtuneError("parallel.compile: torch.compile is not supported with DeepSpeed zero3 here (its "
                              "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "
                              "parallel.backend=fsdp2")
+
+
+@functools.lru_cache(maxsize=1)
+def peft_import_error() -> str | None:
+    """None if `import peft` works, else why not (one line): LoRA and QLoRA are built on it, and a worker
+    that found it missing would fail only after every process had started."""
+    try:
+        import peft  # noqa: F401
+    except Exception as err:  # ImportError, or a broken install failing in its own way
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return None
 
 
 @functools.lru_cache(maxsize=1)
