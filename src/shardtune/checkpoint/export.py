@@ -25,6 +25,7 @@ from shardtune.checkpoint.deepspeed_files import LazyTensor, deepspeed_model_ten
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, write_config, write_safetensors
 from shardtune.checkpoint.outdir import check_output_dir, staged
 from shardtune.errors import ShardtuneError
+from shardtune.peft.lora import is_adapter
 
 MODEL_PREFIX = "model."  # the checkpoint's state is {"model": ..., "optim": ...}, flattened by DCP
 
@@ -127,7 +128,9 @@ def export_adapter(path: Path, out: Path, *, overwrite: bool = False) -> Path:
     """A LoRA checkpoint -> a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
     from safetensors.torch import save_file
 
-    tensors = checkpoint_tensors(path)
+    # Adapter tensors only: FSDP2 checkpoints written before shardtune dropped every name of a frozen
+    # parameter also hold the frozen, tied LM head (base_model.model.lm_head.weight), which is no adapter.
+    tensors = {name: t for name, t in checkpoint_tensors(path).items() if is_adapter(name)}
     state = {_ADAPTER_NAME.sub("", name): t.load().float().contiguous() for name, t in tensors.items()}
     if not state:
         raise ShardtuneError(f"{path}: the checkpoint holds no adapter tensors")
