@@ -1,7 +1,7 @@
 """Folders shardtune writes for users (export OUT, OUTPUT_DIR/model, OUTPUT_DIR/adapter) never remove what
 shardtune did not write: a file is refused, a foreign non-empty folder needs --overwrite, an earlier
 output of the same kind (it carries shardtune's marker) is replaced. One real LoRA run on 1 process
-gives the checkpoint the exports read."""
+gives the checkpoint the exports read (also the adapter export of an older checkpoint with a tied LM head)."""
 
 from __future__ import annotations
 
@@ -187,3 +187,37 @@ def test_only_abandoned_staging_folders_of_shardtune_are_cleaned_up(tmp_path):
     (foreign / "keep.txt").write_text("not shardtune's")
     staging_dir(out, "model", "test")
     assert not gone_pid.exists() and alive.is_dir() and (foreign / "keep.txt").is_file()
+
+
+def test_adapter_export_of_an_older_checkpoint_leaves_out_the_tied_lm_head(run, tmp_path):
+    """FSDP2 LoRA checkpoints written before the fix hold the frozen, tied LM head (57 tensors for 56
+    adapters); the exported adapter holds the adapters only. (This run's own checkpoint is the model
+    of one: the same tensors plus the head.)"""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.checkpoint.dcp import finalize, resolve_checkpoint
+    from shardtune.checkpoint.export import checkpoint_tensors
+    from shardtune.models.init_model import init_model
+
+    step = resolve_checkpoint(str(run))
+    adapters = {f"model.{n}": t.load() for n, t in checkpoint_tensors(step).items()}
+    assert adapters and all(".lora_" in n for n in adapters)
+    old = tmp_path / ".step-00000001.tmp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({**adapters, "model.base_model.model.lm_head.weight": torch.randn(512, 64)},
+                 checkpoint_id=str(old), no_dist=True)
+    shutil.copytree(step / "hf", old / "hf")
+    finalize(old, tmp_path / "step-00000001", {"step": 1, "world_size": 1})
+    assert len(checkpoint_tensors(tmp_path / "step-00000001")) == len(adapters) + 1
+    out = export_checkpoint(str(tmp_path / "step-00000001"), tmp_path / "adapter")
+    state = load_file(str(out / "adapter_model.safetensors"))
+    assert set(state) == {n.removeprefix("model.").replace(".default", "") for n in adapters}
+    base = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "base", "tiny-llama"))
+    PeftModel.from_pretrained(base, out)
