@@ -11,7 +11,7 @@ from shardtune.config import Config, dump_config, load_config
 
 
 def train(config_or_path: Config | str | Path, overrides: list[str] | None = None, *,
-          nproc: int | str | None = None, output_dir: str | None = None) -> dict[str, Any]:
+          nproc: int | str | None = None, output_dir: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Run `shardtune train` (launched under torchrun, like the CLI) and return the run summary.
 
     Raises ShardtuneError for bad input and RuntimeError when the workers fail.
@@ -29,11 +29,13 @@ def train(config_or_path: Config | str | Path, overrides: list[str] | None = Non
             argv += ["--nproc", str(nproc)]
         if output_dir is not None:
             argv += ["--output-dir", output_dir]
+        if overwrite:
+            argv.append("--overwrite")
         from shardtune.validate import validate
 
         # Check here first so bad input raises ShardtuneError with its message, as the CLI prints it.
         cfg = validate(str(path), [*(overrides or []), *([f"train.output_dir={output_dir}"] if output_dir else [])],
-                       nproc_flag=nproc, quiet=True)
+                       nproc_flag=nproc, quiet=True, overwrite=overwrite)
         code = main(argv)
     if code != 0:
         raise RuntimeError(f"shardtune train exited with code {code}")

@@ -32,6 +32,10 @@ def _nproc(text: str) -> int | str:
     return value
 
 
+OVERWRITE_TRAIN = ("let the run replace OUTPUT_DIR/model (or adapter) at the end even if shardtune did not write "
+                   "what is there (without it, such a folder stops the run before it starts)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardtune", description="Sharded fine-tuning of Hugging Face causal LMs.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -48,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from a checkpoint (auto = the newest complete one in the run directory)")
     _hardware_flags(t)
     t.add_argument("--force", action="store_true", help="run even when the planner predicts it will not fit")
+    t.add_argument("--overwrite", action="store_true", help=OVERWRITE_TRAIN)
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("validate", help="check a config, its model and data without training")
@@ -57,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
     _hardware_flags(v)
     v.add_argument("--force", action="store_true", help="do not refuse a config the planner predicts will not fit")
+    v.add_argument("--overwrite", action="store_true", help="check as `train --overwrite` would")
     v.set_defaults(func=cmd_validate)
 
     pl = sub.add_parser("plan", help="predict per-GPU memory and tokens/s for every way to run a config, and pick "
@@ -92,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-size", default="5GB")
     e.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: write the base model with the adapter merged in (else the adapter alone)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR and everything in it even if shardtune did not write it (without it, a "
+                        "non-empty OUT_DIR must be an earlier export of the same kind)")
     e.set_defaults(func=cmd_export)
 
     c = sub.add_parser("calibrate", help="measure this GPU machine's ceilings (matmul, memory, copies, NCCL, host "
@@ -137,22 +146,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardtune.launch import LaunchOptions, resolve_nproc, run_torchrun, torchrun_args, under_torchrun
 
     if under_torchrun():
-        return _worker(args.config, _overrides(args))
+        return _worker(args.config, _overrides(args), overwrite=args.overwrite)
     from shardtune.config import load_config
     from shardtune.plan import auto_keys, auto_overrides
     from shardtune.validate import validate
 
     auto = auto_keys(load_config(args.config, _overrides(args)))
     cfg = validate(args.config, _overrides(args), nproc_flag=args.nproc, quiet=True, nnodes=args.nnodes,
-                   hardware=hardware_from(args), force=args.force)
+                   hardware=hardware_from(args), force=args.force, overwrite=args.overwrite)
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
     # The launcher's plan fixed what the config left to auto: the workers get it as overrides.
-    worker_args = ["train", args.config, *_overrides(args), *auto_overrides(cfg, auto)]
+    worker_args = ["train", args.config, *_overrides(args), *auto_overrides(cfg, auto),
+                   *(["--overwrite"] if args.overwrite else [])]
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
 
 
-def _worker(config: str, overrides: list[str]) -> int:
+def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> int:
     """Body of each torchrun process; ends through clean_exit so gloo cannot abort a finished run."""
     from shardtune.config import load_config
     from shardtune.dist import clean_exit
@@ -161,7 +171,7 @@ def _worker(config: str, overrides: list[str]) -> int:
     try:
         from shardtune.train.loop import run_training
 
-        run_training(load_config(config, overrides))
+        run_training(load_config(config, overrides), overwrite=overwrite)
     except ShardtuneError as err:
         # Every rank usually hits the same input error. torchrun stops all workers when the first
         # one exits, so the other ranks give rank 0 time to print the one line and exit first.
@@ -179,7 +189,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from shardtune.validate import validate
 
     validate(args.config, list(args.overrides), nproc_flag=args.nproc, nnodes=args.nnodes,
-             hardware=hardware_from(args), force=args.force)
+             hardware=hardware_from(args), force=args.force, overwrite=args.overwrite)
     return 0
 
 
@@ -369,7 +379,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ShardtuneError(f"--max-shard-size: {err}") from None
     with young_gc_only():  # no full GC passes over the imported code
         out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_bytes=max_bytes,
-                                merge_lora=args.merge_lora)
+                                merge_lora=args.merge_lora, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 

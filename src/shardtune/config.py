@@ -28,6 +28,8 @@ class ModelConfig(_Section):
     preset: str | None = Field(None, description="Built-in shape with random init, e.g. tiny-llama (no files).")
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
     seed: int = Field(0, description="Seed of a preset's random init (same weights as `init-model --seed`).")
+    trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (config.json "
+                                                       "auto_map) with your permissions; only for code you have read.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -415,13 +417,44 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; "
                           "pass the path of a YAML file such as examples/tiny.yaml")
+    text = p.read_text()
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), str(p))
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    if raw is None:
+        raise ConfigError(f"config file {str(p)!r} is empty; it needs at least a model and a data section, as in "
+                          "examples/tiny.yaml")
     return config_from_dict(raw, overrides)
+
+
+def _refuse_duplicate_keys(node: yaml.Node | None, path: str, where: str = "", done: set[int] | None = None) -> None:
+    """A key given twice in one mapping (a second `train:` section, `lr` twice in one section): PyYAML
+    keeps the last silently, so the file would say two things and mean one. Merge keys (<<) may be
+    overridden, as YAML intends."""
+    done = set() if done is None else done
+    if id(node) in done:  # an alias of a node already checked (or of its own parent)
+        return
+    done.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, path, f"{where}[{i}]", done)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+            continue
+        key = f"{where}.{key_node.value}" if where else key_node.value
+        line = key_node.start_mark.line + 1
+        if key_node.value in seen:
+            raise ConfigError(f"config file {path!r}: {key} is given twice (line {seen[key_node.value]} and line "
+                              f"{line}); keep one")
+        seen[key_node.value] = line
+        _refuse_duplicate_keys(value_node, path, key, done)
 
 
 def dump_config(cfg: Config) -> str:

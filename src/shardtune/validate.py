@@ -13,9 +13,10 @@ from shardtune.errors import ShardtuneError
 
 
 def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False,
-             nnodes: int = 1, hardware: Any = None, force: bool = False) -> Config:
+             nnodes: int = 1, hardware: Any = None, force: bool = False, overwrite: bool = False) -> Config:
     """Check config, model, tokenizer and data (tokenised into the cache, so the workers that follow
-    find it there), and that one global batch fits the data. With quiet=False print a report.
+    find it there), that one global batch fits the data, and that the run's final model/adapter folder
+    may be written (`overwrite`: train --overwrite). With quiet=False print a report.
     With `hardware` (the local GPU, or one named with --gpu) the planner refuses a run predicted not to fit
     (unless `force`); `auto` strategy / micro-batch are replaced by its pick. Returns the resolved config.
     Raises ShardtuneError (exit code 2) on the first problem."""
@@ -44,7 +45,8 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world)
-    tokenizer = load_tokenizer(cfg.model.path)
+    check_final_dir(cfg, overwrite)
+    tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(tokenizer, hf_config)
     if cfg.checkpoint.resume not in (None, "auto"):
         from shardtune.checkpoint.dcp import resolve_checkpoint
@@ -70,6 +72,19 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     return cfg
 
 
+def check_final_dir(cfg: Config, overwrite: bool = False) -> None:
+    """The folder a finished run writes (OUTPUT_DIR/model, or adapter with LoRA) must be new, empty or an
+    earlier one of shardtune's of the same kind, unless --overwrite: checked before training, not after it."""
+    from shardtune.checkpoint.outdir import check_output_dir
+
+    if not cfg.checkpoint.save_final:
+        return
+    kind = "adapter" if cfg.peft.method != "none" else "model"
+    check_output_dir(Path(cfg.train.output_dir) / kind, kind, overwrite=overwrite,
+                     fix="use another --output-dir, or add --overwrite to `shardtune train` to replace it and "
+                         "everything in it")
+
+
 def check_combination(cfg: Config, world: int | None = None) -> None:
     """Settings that cannot work together, refused before any process starts. With `world` (processes),
     also the DeepSpeed config the deepspeed backend would build (conflicts with the `deepspeed:` section)."""
@@ -77,9 +92,13 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
     from shardtune.peft.qlora import nf4_available
 
     _check_backend(cfg)
+    if cfg.peft.method != "none" and (failed := peft_import_error()) is not None:
+        raise ShardtuneError(f"peft.method: {cfg.peft.method} needs the peft package (import peft failed: {failed}); "
+                             f"pip install -e '.[peft]' in the shardtune checkout (or pip install peft), or use "
+                             f"peft.method=none")
     if cfg.peft.method == "qlora" and not nf4_available():
         raise ShardtuneError("peft.method: qlora needs torchao (NF4 weights that FSDP2 can shard); "
-                             "pip install 'shardtune[qlora]'")
+                             "pip install -e '.[qlora]' in the shardtune checkout")
     if cfg.peft.method == "qlora" and cfg.peft.use_dora:
         raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
                              "offer here; use peft.method=lora with DoRA, or qlora without it")
@@ -90,7 +109,7 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
                              f"train.precision={base}")
     if cfg.optim.name == "adamw8bit" and not adamw8bit_available():
         raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
-                             "pip install 'shardtune[qlora]'")
+                             "pip install -e '.[qlora]' in the shardtune checkout")
     if world is not None and cfg.parallel.strategy == "hsdp":
         from shardtune.parallel.fsdp2 import hsdp_shard_size
 
@@ -104,7 +123,8 @@ def check_combination(cfg: Config, world: int | None = None) -> None:
         failed = deepspeed_import_error()
         if failed is not None:
             raise ShardtuneError(f"parallel.backend: deepspeed needs the deepspeed package (import deepspeed failed: "
-                                 f"{failed}); pip install 'shardtune[deepspeed]', or use parallel.backend=fsdp2")
+                                 f"{failed}); pip install -e '.[deepspeed]' in the shardtune checkout, or use "
+                                 "parallel.backend=fsdp2")
         if ds is not None:
             check_deepspeed_accepts(ds)
 
@@ -190,6 +210,18 @@ def _check_backend(cfg: Config) -> None:
         raise ShardtuneError("parallel.compile: torch.compile is not supported with DeepSpeed zero3 here (its "
                              "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "
                              "parallel.backend=fsdp2")
+
+
+@functools.lru_cache(maxsize=1)
+def peft_import_error() -> str | None:
+    """None if `import peft` works, else why not (one line): LoRA and QLoRA are built on it, and a worker
+    that found it missing would fail only after every process had started."""
+    try:
+        import peft  # noqa: F401
+    except Exception as err:  # ImportError, or a broken install failing in its own way
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return None
 
 
 @functools.lru_cache(maxsize=1)

@@ -229,10 +229,23 @@ def test_export_round_trip_through_transformers(tmp_path, cache):
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def _trainable_names() -> list[str]:
+    """The parameters a LoRA run of tiny-llama (r=8, default targets) trains, as PEFT names them."""
+    from shardtune.config import PeftConfig
+    from shardtune.models.build import build_on_meta
+    from shardtune.models.presets import preset_config
+    from shardtune.peft.lora import apply_lora
+
+    model = apply_lora(build_on_meta(preset_config("tiny-llama")), PeftConfig(r=8, alpha=16), "llama")
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
 def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shardtune.checkpoint.export import model_tensors
     from shardtune.models.init_model import init_model
 
     base_dir = init_model(tmp_path / "base", "tiny-llama")
@@ -242,6 +255,10 @@ def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache):
     train(out, cache, *lora, "train.stop_after_step=4")
     ckpt = resolve_checkpoint(str(out))
     assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < 3_000_000  # adapter + optimizer only
+    # tiny-llama ties its LM head to the embedding: that frozen matrix is in no checkpoint under either name
+    assert AutoConfig.from_pretrained(base_dir).tie_word_embeddings
+    saved = set(model_tensors(ckpt))
+    assert saved == set(_trainable_names()), sorted(saved - set(_trainable_names()))
     train(out, cache, *lora, "--resume")
     assert max(abs(losses(out)[s] - losses(ref)[s]) for s in losses(ref)) <= 1e-6
 
@@ -251,6 +268,9 @@ def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache):
     expected = trained(input_ids=ids).logits
     adapter = tmp_path / "adapter"
     assert shardtune("export", str(out), str(adapter)).returncode == 0
+    expected_names = {n.replace(".default", "") for n in _trainable_names()}
+    assert set(load_file(str(adapter / "adapter_model.safetensors"))) == expected_names  # 56, no LM head
+    assert set(load_file(str(out / "adapter" / "adapter_model.safetensors"))) == expected_names
     again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter)
     assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
     merged = tmp_path / "merged"

@@ -326,3 +326,33 @@ def test_plan_hsdp_shard_size_must_divide_the_processes():
     proc = shardtune("plan", TINY, "parallel.strategy=hsdp", "parallel.shard_size=3", "--nproc", "4")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "parallel.shard_size: 3 does not divide the 4 processes" in proc.stderr
+
+
+@pytest.mark.parametrize("command, method", [("train", "lora"), ("validate", "qlora")])
+def test_missing_peft_is_caught_before_any_process_starts(tmp_path, command, method):
+    """peft made unimportable for the whole process (a sitecustomize shim, as if it were not installed)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _env
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['peft'] = None  # `import peft` fails\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), *filter(None, [env.get("PYTHONPATH")])])
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "shardtune", command, TINY, f"peft.method={method}",
+                           f"train.output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    _one_line_error(proc, f"peft.method: {method} needs the peft package", "pip install -e '.[peft]'")
+    assert not out.exists()
+
+
+def test_install_hints_name_commands_that_work_from_a_checkout():
+    """shardtune is not on a package index: `pip install 'shardtune[...]'` would fail or fetch something else."""
+    sources = [p for p in (ROOT / "src" / "shardtune").rglob("*.py")]
+    offenders = [str(p.relative_to(ROOT)) for p in sources if "shardtune[" in p.read_text()]
+    assert sources and offenders == []
+

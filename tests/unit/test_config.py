@@ -106,6 +106,47 @@ def test_load_config_file_errors(tmp_path):
         load_config(scalar)
 
 
+@pytest.mark.parametrize("text, key, lines", [
+    # a second section of the same name, far below the first
+    ("model: {preset: tiny-llama}\ntrain:\n  lr: 1.0e-3\ndata: {train_file: x}\n\ntrain:\n  max_steps: 3\n",
+     "train", (2, 6)),
+    # the same key twice in one section
+    ("model: {preset: tiny-llama}\ndata: {train_file: x}\ntrain:\n  lr: 1.0e-3\n  max_steps: 3\n  lr: 1.0e-4\n",
+     "train.lr", (4, 6)),
+    # inside a list of sources, and in a flow mapping
+    ("model: {preset: tiny-llama}\ndata:\n  sources:\n    - {path: a.jsonl, weight: 1, weight: 2}\n",
+     "data.sources[0].weight", (4, 4)),
+    # in the free-form deepspeed section
+    ("model: {preset: tiny-llama}\ndata: {train_file: x}\ndeepspeed:\n  zero_optimization:\n"
+     "    stage: 3\n    stage: 2\n", "deepspeed.zero_optimization.stage", (5, 6)),
+])
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, text, key, lines):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert f"{key} is given twice (line {lines[0]} and line {lines[1]})" in message and "\n" not in message
+
+
+def test_merge_keys_may_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    text = ("model: {preset: tiny-llama}\ndata: {train_file: x}\n"
+            "train:\n  <<: {lr: 1.0e-3, max_steps: 3}\n  lr: 1.0e-4\n"
+            "optim: {betas: [0.9, 0.95]}\n")
+    path.write_text(text)
+    cfg = load_config(path)
+    assert cfg.train.lr == pytest.approx(1e-4) and cfg.train.max_steps == 3
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n"])
+def test_an_empty_config_file_says_so(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"empty\.yaml' is empty; it needs at least a model and a data section"):
+        load_config(path)
+
+
 def test_dump_round_trips(tmp_path):
     cfg = config_from_dict(BASE, ["train.lr=0.001", "optim.betas=[0.8, 0.9]"])
     path = tmp_path / "resolved.yaml"

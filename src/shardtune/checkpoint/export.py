@@ -22,8 +22,10 @@ import torch
 
 from shardtune.checkpoint.dcp import SafeReader, load_state, read_manifest, read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.deepspeed_files import LazyTensor, deepspeed_model_tensors
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, replace_dir, write_config, write_safetensors
+from shardtune.checkpoint.hf_export import SAVE_DTYPES, write_config, write_safetensors
+from shardtune.checkpoint.outdir import check_output_dir, staged
 from shardtune.errors import ShardtuneError
+from shardtune.peft.lora import is_adapter
 
 MODEL_PREFIX = "model."  # the checkpoint's state is {"model": ..., "optim": ...}, flattened by DCP
 
@@ -66,10 +68,13 @@ def checkpoint_tensors(path: Path) -> dict[str, LazyTensor]:
 
 
 def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "auto",
-                      max_shard_bytes: int = 5 * 10**9, merge_lora: bool = False) -> Path:
+                      max_shard_bytes: int = 5 * 10**9, merge_lora: bool = False, overwrite: bool = False) -> Path:
     """Write checkpoint (a step directory, or a run directory: its newest checkpoint) as an HF model
-    directory; a LoRA checkpoint as a PEFT adapter directory, or with merge_lora as a merged model."""
-    from transformers import AutoConfig, AutoTokenizer
+    directory; a LoRA checkpoint as a PEFT adapter directory, or with merge_lora as a merged model.
+    `out_dir` must be new, empty, or an earlier export of the same kind, unless `overwrite`."""
+    from transformers import AutoTokenizer
+
+    from shardtune.models.build import read_hf_config
 
     path = resolve_checkpoint(checkpoint)
     assert path is not None
@@ -79,23 +84,29 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
     lora = (hf_dir / "adapter_config.json").is_file()
     if merge_lora and not lora:
         raise ShardtuneError(f"--merge-lora: {path} is a full fine-tuning checkpoint (no LoRA adapter)")
+    out = Path(out_dir)
+    check_output_dir(out, "adapter" if lora and not merge_lora else "model", overwrite=overwrite)  # before any work
     if lora and not merge_lora:
-        return export_adapter(path, Path(out_dir))
-    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+        return export_adapter(path, out, overwrite=overwrite)
+    # A checkpoint's code never runs, whatever its run allowed: its files may come from anyone.
+    hint = "shardtune export never runs a checkpoint's code; use the model the run wrote to OUTPUT_DIR/model"
+    hf_config = read_hf_config(hf_dir, key="checkpoint", hint=hint)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
+    except ValueError as err:
+        if "custom code" not in str(err):
+            raise
+        raise ShardtuneError(f"checkpoint: the tokenizer in {str(hf_dir)!r} needs its own Python code; {hint}") \
+            from None
     if dtype == "auto":
         precision = read_trainer_state(path).get("config", {}).get("train", {}).get("precision", "bf16")
         dtype = "fp32" if precision == "fp32" else "bf16"
     target = SAVE_DTYPES[dtype]
     if lora:
-        return export_merged(path, Path(out_dir), hf_config, tokenizer, target, max_shard_bytes)
+        return export_merged(path, out, hf_config, tokenizer, target, max_shard_bytes, overwrite=overwrite)
     tensors = checkpoint_tensors(path)
     if getattr(hf_config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied to the input embedding: saved once, as transformers does
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
 
     def fetch(name: str) -> torch.Tensor:
         t = tensors[name].load()
@@ -103,36 +114,36 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
 
     sizes = [(n, t.numel * (target.itemsize if t.dtype.is_floating_point else t.dtype.itemsize))
              for n, t in tensors.items()]
-    write_safetensors(tmp, sizes, fetch, max_shard_bytes)
-    write_config(hf_config.architectures[0] if hf_config.architectures else None, hf_config, tokenizer, tmp, target)
-    replace_dir(tmp, out)
+    with staged(out, "model", str(path), overwrite=overwrite) as tmp:
+        write_safetensors(tmp, sizes, fetch, max_shard_bytes)
+        write_config(hf_config.architectures[0] if hf_config.architectures else None, hf_config, tokenizer, tmp,
+                     target)
     return out
 
 
 _ADAPTER_NAME = re.compile(r"\.default(?=\.weight$|$)")
 
 
-def export_adapter(path: Path, out: Path) -> Path:
+def export_adapter(path: Path, out: Path, *, overwrite: bool = False) -> Path:
     """A LoRA checkpoint -> a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
     from safetensors.torch import save_file
 
-    tensors = checkpoint_tensors(path)
+    # Adapter tensors only: FSDP2 checkpoints written before shardtune dropped every name of a frozen
+    # parameter also hold the frozen, tied LM head (base_model.model.lm_head.weight), which is no adapter.
+    tensors = {name: t for name, t in checkpoint_tensors(path).items() if is_adapter(name)}
     state = {_ADAPTER_NAME.sub("", name): t.load().float().contiguous() for name, t in tensors.items()}
     if not state:
         raise ShardtuneError(f"{path}: the checkpoint holds no adapter tensors")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    for f in (path / "hf").iterdir():
-        if f.name.startswith(("adapter_config", "tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, tmp / f.name)
-    replace_dir(tmp, out)
+    with staged(out, "adapter", str(path), overwrite=overwrite) as tmp:
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        for f in (path / "hf").iterdir():
+            if f.name.startswith(("adapter_config", "tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, tmp / f.name)
     return out
 
 
 def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target: torch.dtype,
-                  max_shard_bytes: int) -> Path:
+                  max_shard_bytes: int, *, overwrite: bool = False) -> Path:
     """Base weights (re-read from the run's model.path or preset) + scale * B @ A, tensor by tensor."""
     from shardtune.config import ModelConfig
     from shardtune.models.build import build_on_meta
@@ -150,9 +161,6 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
     dequantize = _nf4_round_trip(run, trainer) if run.get("peft", {}).get("method") == "qlora" else None
     params = dict(build_on_meta(hf_config).named_parameters())
     lora = checkpoint_tensors(path)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
 
     def fetch(name: str) -> torch.Tensor:
         weight = source.rows(name, params[name].shape, 0, params[name].shape[0]).float()
@@ -166,9 +174,11 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
             weight = weight + scale * (b @ a)
         return weight.to(target)
 
-    write_safetensors(tmp, [(n, p.numel() * target.itemsize) for n, p in params.items()], fetch, max_shard_bytes)
-    write_config(hf_config.architectures[0] if hf_config.architectures else None, hf_config, tokenizer, tmp, target)
-    replace_dir(tmp, out)
+    with staged(out, "model", str(path), overwrite=overwrite) as tmp:
+        write_safetensors(tmp, [(n, p.numel() * target.itemsize) for n, p in params.items()], fetch,
+                          max_shard_bytes)
+        write_config(hf_config.architectures[0] if hf_config.architectures else None, hf_config, tokenizer, tmp,
+                     target)
     return out
 
 

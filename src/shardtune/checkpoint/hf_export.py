@@ -2,15 +2,15 @@
 
 Every rank takes part in gathering each tensor (DTensor.full_tensor), but only rank 0 keeps it,
 and only until the current safetensors shard is written: host memory is bounded by one shard,
-not the model. The directory appears under its final name only when complete.
+not the model. The directory appears under its final name only when complete, and only where it
+replaces nothing shardtune did not write (checkpoint/outdir.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from shardtune.checkpoint.outdir import staged
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,17 +85,20 @@ def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[
 
 def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: str | Path, *,
                   dtype: torch.dtype, max_shard_bytes: int, rank: int,
-                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Collective: every rank must call it. Rank 0 writes `out_dir` (safetensors, config, tokenizer).
+                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None, source: str = "",
+                  overwrite: bool = False) -> None:
+    """Collective: every rank must call it. Rank 0 writes `out_dir` (safetensors, config, tokenizer,
+    shardtune's marker naming `source`), under the rule of checkpoint/outdir.py (`overwrite`: the user's
+    --overwrite).
 
     `gather` gives a parameter's whole tensor (the backend's `full_tensor`; default: DTensor gather)."""
     gather = gather or _gather
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     tensors = export_tensors(module)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    # Only rank 0 touches the folder; the rule is checked at the swap, after every rank has joined the
+    # gathers (a refusal before them would leave the other ranks waiting in a collective).
+    stage = staged(out_dir, "model", source, overwrite=overwrite, check_first=False) if rank == 0 else \
+        contextlib.nullcontext(out_dir)
 
     def fetch(name: str) -> torch.Tensor | None:
         full = gather(tensors[name])  # collective: every rank joins
@@ -101,12 +106,14 @@ def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: st
             return None
         return full.to("cpu", dtype if full.is_floating_point() else full.dtype).contiguous()
 
-    write_safetensors(tmp, [(n, _nbytes(t, dtype)) for n, t in tensors.items()], fetch, max_shard_bytes)
-    if rank == 0:
-        write_config(module, hf_config, tokenizer, tmp, dtype)
-        replace_dir(tmp, out_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    try:
+        with stage as tmp:
+            write_safetensors(tmp, [(n, _nbytes(t, dtype)) for n, t in tensors.items()], fetch, max_shard_bytes)
+            if rank == 0:
+                write_config(module, hf_config, tokenizer, tmp, dtype)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
 
 
 def write_config(model: nn.Module | str | None, hf_config: Any, tokenizer: Any, out: Path,
@@ -128,13 +135,3 @@ def write_config(model: nn.Module | str | None, hf_config: Any, tokenizer: Any, 
     GenerationConfig.from_model_config(cfg).save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-
-
-def replace_dir(new: Path, final: Path) -> None:
-    """Swap `new` into `final` so a good earlier directory is never half-overwritten."""
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(new, final)
-    shutil.rmtree(old, ignore_errors=True)

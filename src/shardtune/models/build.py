@@ -7,6 +7,8 @@ materialised shard by shard (see weights.py), so a large model never exists whol
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,9 @@ from shardtune.models.presets import preset_config
 
 
 def load_hf_config(mcfg: ModelConfig) -> Any:
-    """The transformers config of the model a run names, checked to be a decoder-only causal LM."""
+    """The transformers config of the model a run names, checked to be a decoder-only causal LM.
+
+    A model folder's own Python code runs only with `model.trust_remote_code: true`."""
     if mcfg.preset is not None:
         cfg = preset_config(mcfg.preset)
     else:
@@ -27,15 +31,59 @@ def load_hf_config(mcfg: ModelConfig) -> Any:
         if not (path / "config.json").is_file():
             raise ShardtuneError(f"model.path: {str(path)!r} has no config.json; point it at a local Hugging Face "
                                  "model directory, or create one with `shardtune init-model DIR --preset tiny-llama`")
-        from transformers import AutoConfig
-
-        try:
-            cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ShardtuneError(f"model.path: cannot read {str(path / 'config.json')!r}: {first}") from None
+        cfg = read_hf_config(path, trust_remote_code=mcfg.trust_remote_code, key="model.path")
     check_causal_lm(cfg)
     return cfg
+
+
+TRUST_HINT = ("shardtune never runs a model folder's code unless model.trust_remote_code=true, which runs it with "
+              "your permissions: set it only for a folder whose code you have read")
+
+
+def read_hf_config(path: Path, *, trust_remote_code: bool = False, key: str = "model.path",
+                   hint: str = TRUST_HINT) -> Any:
+    """AutoConfig of a local folder, never running the folder's code unless `trust_remote_code`.
+
+    A config.json with `auto_map` (custom code) and a model_type transformers does not know is refused
+    before transformers could ask on the terminal whether to run it; with a known model_type the custom
+    code is ignored, with a warning."""
+    from transformers import AutoConfig
+
+    if not trust_remote_code:
+        check_custom_code(path, key, hint)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "custom code" in first:  # transformers' own refusal (trust_remote_code=False), e.g. via a parent class
+            raise ShardtuneError(f"{key}: {str(path)!r} needs its own Python code to load; {hint}") from None
+        raise ShardtuneError(f"{key}: cannot read {str(path / 'config.json')!r}: {first}") from None
+
+
+_warned: set[str] = set()
+
+
+def check_custom_code(path: Path, key: str = "model.path", hint: str = TRUST_HINT) -> None:
+    """Refuse a folder whose config.json needs custom code (auto_map + a model_type transformers lacks);
+    warn, once per folder, that the custom code of a known model_type is ignored."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # AutoConfig reports an unreadable file in its own words
+    auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+    if not auto_map:
+        return
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ShardtuneError(f"{key}: {str(path)!r} needs its own Python code (config.json has auto_map and "
+                             f"model_type {model_type!r}, which transformers does not know); {hint}")
+    if str(path) not in _warned and os.environ.get("RANK", "0") == "0":
+        _warned.add(str(path))
+        print(f"warning: {path / 'config.json'} names custom code (auto_map: {', '.join(auto_map)}); it is ignored "
+              f"and transformers' own {model_type!r} classes are used (model.trust_remote_code=true would run it)",
+              file=sys.stderr)
 
 
 def check_causal_lm(cfg: Any) -> None:
@@ -46,9 +94,17 @@ def check_causal_lm(cfg: Any) -> None:
     if getattr(cfg, "is_encoder_decoder", False):
         raise ShardtuneError(f"model: {kind!r} is an encoder-decoder model; shardtune fine-tunes decoder-only causal "
                              "LMs (AutoModelForCausalLM) such as Llama, Qwen or Mistral; use a seq2seq trainer for it")
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not (_remote_code(cfg) and
+                                                                "AutoModelForCausalLM" in cfg.auto_map):
         raise ShardtuneError(f"model: {kind!r} has no causal-LM head in transformers (AutoModelForCausalLM); "
                              "shardtune fine-tunes decoder-only causal LMs such as Llama, Qwen or Mistral")
+
+
+def _remote_code(cfg: Any) -> bool:
+    """Whether `cfg` is an instance of a model folder's own config class: it exists only when that folder's
+    code was allowed to run (model.trust_remote_code), so building its model may run the folder's code too."""
+    return type(cfg).__module__.startswith("transformers_modules") and isinstance(getattr(cfg, "auto_map", None),
+                                                                                dict)
 
 
 def build_on_meta(cfg: Any, attn_implementation: str = "sdpa") -> nn.Module:
@@ -56,7 +112,8 @@ def build_on_meta(cfg: Any, attn_implementation: str = "sdpa") -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                 trust_remote_code=_remote_code(cfg))
     return model
 
 

@@ -85,8 +85,9 @@ def _has_tokenizer_files(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
-def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerBase:
-    """The model directory's tokenizer, or the bundled tiny tokenizer for presets; never downloads.
+def load_tokenizer(model_path: str | None, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The model directory's tokenizer, or the bundled tiny tokenizer for presets; never downloads, and
+    never runs the directory's code unless `trust_remote_code` (model.trust_remote_code).
 
     A tokenizer without a pad token gets its eos token as pad (labels mask padding, so the choice
     does not affect the loss).
@@ -100,7 +101,18 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerBase:
         raise ShardtuneError(f"model.path: {model_path!r} has no tokenizer files (tokenizer.json or "
                              "tokenizer.model); copy the model's tokenizer into that directory")
     source = Path(model_path) if model_path else bundled_tokenizer_dir()
-    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if "custom code" not in str(err):
+            raise
+        from shardtune.errors import ShardtuneError
+        from shardtune.models.build import TRUST_HINT
+
+        # tokenizer_config.json's auto_map names a tokenizer class only the folder's code defines.
+        raise ShardtuneError(f"model.path: the tokenizer in {str(source)!r} needs its own Python code; "
+                             f"{TRUST_HINT}") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             from shardtune.errors import ShardtuneError

@@ -43,6 +43,18 @@ _STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
+def _without_frozen_aliases(module: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """`ignore_frozen_params` drops a frozen parameter under its first name only: a tied LM head
+    (`lm_head.weight`, the frozen embedding under a second name) stayed in every LoRA checkpoint (the
+    whole embedding matrix: ~1 GB at Llama-3-8B's vocabulary) and in adapters exported from it. Drop
+    every name of a frozen parameter, as the DeepSpeed backend does. (Activation checkpointing and
+    per-block compile keep parameter names, so the module's names are the state dict's keys.)"""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    for key in frozen & set(model_sd):
+        del model_sd[key]
+    return model_sd
+
+
 class FSDP2Backend:
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext) -> None:
         self.parallel, self.precision, self.ctx = parallel, precision, ctx
@@ -159,7 +171,7 @@ class FSDP2Backend:
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name (sharded DTensors under FSDP2), for DCP."""
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_STATE_OPTIONS)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": _without_frozen_aliases(self.module, model_sd), "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],

@@ -135,11 +135,14 @@ def adapter_state(model: nn.Module, rank: int,
 
 
 def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int,
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors)."""
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None, *, source: str = "",
+                 overwrite: bool = False) -> None:
+    """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors),
+    with shardtune's marker naming `source`, under the rule of checkpoint/outdir.py (`overwrite`: the
+    user's --overwrite)."""
     from safetensors.torch import save_file
 
-    from shardtune.checkpoint.hf_export import replace_dir
+    from shardtune.checkpoint.outdir import staged
 
     state = adapter_state(model, rank, gather)
     if rank != 0:
@@ -147,14 +150,12 @@ def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: An
     if not state or not all(t.numel() for t in state.values()):
         # The empty-adapter failure users hit with ZeRO-3 + PEFT (peft #2892): never write one.
         raise RuntimeError(f"the adapter state is empty ({len(state or {})} tensors); refusing to save it")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = model.peft_config["default"]
-    config.base_model_name_or_path = base_model
-    config.save_pretrained(str(tmp))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),
-                                                   "parameters": sum(t.numel() for t in state.values())}))
-    replace_dir(tmp, out_dir)
+    with staged(out_dir, "adapter", source, overwrite=overwrite) as tmp:
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = model.peft_config["default"]
+        config.base_model_name_or_path = base_model
+        config.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),
+                                                       "parameters": sum(t.numel() for t in state.values())}))

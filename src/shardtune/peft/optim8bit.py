@@ -60,7 +60,7 @@ def build_adamw8bit(params: Iterable[Any], lr: float, betas: tuple[float, float]
     try:
         from torchao.optim import AdamW8bit
     except ImportError as err:
-        raise ImportError("8-bit AdamW needs torchao >= 0.16 (pip install 'shardtune[qlora]')") from err
+        raise ImportError("8-bit AdamW needs torchao >= 0.16 (pip install -e '.[qlora]')") from err
 
     class ShardedAdamW8bit(AdamW8bit):
         """AdamW8bit whose update runs eagerly unless compiling was asked for (or auto on CUDA)."""

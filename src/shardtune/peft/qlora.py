@@ -107,7 +107,7 @@ def _nf4_api() -> tuple[type, Callable[..., Any]]:
         try:
             from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
         except ImportError as err:
-            raise ImportError("peft.method=qlora needs torchao >= 0.16 (pip install 'shardtune[qlora]')") from err
+            raise ImportError("peft.method=qlora needs torchao >= 0.16 (pip install -e '.[qlora]')") from err
     return NF4Tensor, to_nf4
 
 

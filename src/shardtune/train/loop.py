@@ -39,7 +39,7 @@ from shardtune.peft.lora import LoraSource, apply_lora, cast_frozen, frozen_dtyp
 from shardtune.peft.qlora import quantize_to_nf4
 from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
-from shardtune.validate import check_combination
+from shardtune.validate import check_combination, check_final_dir
 
 
 @dataclass
@@ -57,8 +57,10 @@ class TrainResult:
     backend: Backend  # the trained, still sharded model and its optimizer (for in-process callers)
 
 
-def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
-    """Train as `cfg` says on the current process group; every rank gets the result."""
+def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool = False) -> TrainResult:
+    """Train as `cfg` says on the current process group; every rank gets the result. `overwrite`
+    (train --overwrite) lets the run replace a final model/adapter folder that shardtune did not write."""
+    check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
     ctx = ctx or init_distributed()
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
@@ -75,7 +77,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
 
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(tokenizer, hf_config)
     check_combination(cfg)
     check_device(cfg, ctx.device)
@@ -171,11 +173,11 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
 
     if cfg.checkpoint.save_final and finished and cfg.peft.method != "none":
         save_adapter(backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), tokenizer, ctx.rank,
-                     gather=backend.full_tensor)
+                     gather=backend.full_tensor, source=f"training run {out}", overwrite=overwrite)
     elif cfg.checkpoint.save_final and finished:
         save_hf_model(backend.module, hf_config, tokenizer, out / "model", dtype=SAVE_DTYPES[save_dtype(cfg)],
                       max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank,
-                      gather=backend.full_tensor)
+                      gather=backend.full_tensor, source=f"training run {out}", overwrite=overwrite)
     summary = _summary(cfg, ctx, state, total_steps, train_seconds, n_params, out)
     if predicted is not None:
         from shardtune.plan import compare

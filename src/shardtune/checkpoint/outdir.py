@@ -1,0 +1,134 @@
+"""Folders shardtune writes for users (an export, OUTPUT_DIR/model, OUTPUT_DIR/adapter): the marker that
+says shardtune wrote one, the rule for writing over what is there, and the atomic swap.
+
+The rule: never remove what shardtune did not write. A plain file at the target is always refused; an
+empty folder is fine; a non-empty folder is replaced only when it carries shardtune's marker for the same
+kind of output, or when the user said `--overwrite`. Staging folders get fresh names, so no
+clean-up ever removes a folder by a name that a user could have picked too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from shardtune.errors import ShardtuneError
+
+MARKER = ".shardtune-export.json"
+Kind = Literal["model", "adapter"]
+
+
+def read_marker(folder: Path) -> dict | None:
+    """The marker of a folder shardtune wrote, or None (no marker, or one that is not shardtune's JSON)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("written_by") == "shardtune" else None
+
+
+EXPORT_FIX = "give a new or empty folder, or add --overwrite to replace it and everything in it"
+
+
+def check_output_dir(out: Path, kind: Kind, *, overwrite: bool = False, fix: str = EXPORT_FIX) -> None:
+    """Raise ShardtuneError (one line) if writing a `kind` folder at `out` could remove what shardtune did
+    not write. `fix` tells the user what to do instead (the command's --overwrite, another folder)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ShardtuneError(f"{out} is a file; shardtune writes the {kind} as a folder there and never replaces a "
+                             "file; move the file, or give another path")
+    if not out.is_dir() or overwrite or not any(out.iterdir()):
+        return
+    marker = read_marker(out)
+    if marker is None:
+        raise ShardtuneError(f"{out} is a folder with files that shardtune did not write (no {MARKER}); {fix}")
+    if marker.get("kind") != kind:
+        raise ShardtuneError(f"{out} holds a shardtune {marker.get('kind')} export, not a {kind}; {fix}")
+
+
+def staging_dir(out: Path, kind: Kind, source: str) -> Path:
+    """A new hidden folder next to `out` to write into, marked as shardtune's from the start, after
+    removing the leftovers of earlier attempts that were killed (marked, and their process is gone)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        if _abandoned(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    # A fresh name (the writer's pid, for the clean-up above, and a random part): never someone else's folder.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    write_marker(tmp, kind, source)
+    return tmp
+
+
+def _abandoned(stale: Path) -> bool:
+    """A staging folder of a shardtune process that no longer runs (on this machine)."""
+    if stale.is_symlink() or not stale.is_dir() or read_marker(stale) is None:
+        return False
+    pid = stale.name.rsplit(".tmp-", 1)[-1].split("-")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # running under another user
+        return False
+    return False
+
+
+@contextlib.contextmanager
+def staged(out: Path, kind: Kind, source: str, *, overwrite: bool = False, check_first: bool = True) -> Iterator[Path]:
+    """Write a `kind` folder at `out`: checks the rule first (unless check_first=False: a collective write
+    checks only at the swap, after every rank has joined), yields a staging folder, and swaps it into
+    place when the block ends without an error (else removes it, leaving `out` as it was)."""
+    if check_first:
+        check_output_dir(out, kind, overwrite=overwrite)
+    tmp = staging_dir(out, kind, source)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        replace_dir(tmp, out, kind, overwrite=overwrite)
+    except ShardtuneError as err:
+        # `out` changed while we wrote (hours, for a training run): keep what was written under a visible name.
+        keep = out.with_name(f"{out.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(tmp, keep)
+        raise ShardtuneError(f"{err}; the {kind} just written is in {keep}") from None
+
+
+def write_marker(folder: Path, kind: Kind, source: str) -> None:
+    """`folder`/.shardtune-export.json: what wrote the folder, for the next write to recognise."""
+    from shardtune import __version__
+
+    marker = {"written_by": "shardtune", "kind": kind, "source": source, "shardtune_version": __version__}
+    (Path(folder) / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def replace_dir(new: Path, final: Path, kind: Kind, *, overwrite: bool = False) -> None:
+    """Swap the complete folder `new` into `final`, so a good earlier folder is never half-overwritten.
+
+    The rule is checked again here, right before anything moves: a training run checks at its start,
+    and the folder may have changed in the hours since."""
+    check_output_dir(final, kind, overwrite=overwrite)
+    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:12]}")
+    if final.exists() or final.is_symlink():
+        os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except OSError:
+        if old.exists() or old.is_symlink():
+            os.replace(old, final)
+        raise
+    if old.is_symlink():  # a link to a folder: the link goes, the folder it points to is left alone
+        old.unlink()
+    elif old.exists():
+        shutil.rmtree(old, ignore_errors=True)
