@@ -41,6 +41,16 @@ def shardtune(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "shardtune", *args], timeout)
 
 
+class Payload:
+    """Unpickling this runs `touch MARKER` (os.system), as a planted checkpoint file would."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
 def max_diff(a: list[float], b: list[float], min_len: int = 6) -> float:
     """Largest difference of two loss trajectories of the same length (at least min_len steps)."""
     assert len(a) == len(b) >= min_len
