@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,24 +13,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                TORCHINDUCTOR_CACHE_DIR=str(ROOT / ".pytest_cache" / "inductor"))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
     return env
 
 
-def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run a command, returning its completed process (stdout and stderr as text)."""
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a command (with `env` added to the environment), returning its completed process (text output)."""
+    return subprocess.run(cmd, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Launch a script on `nproc` gloo processes with torchrun; fail the test with its output if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *script_and_args]
-    proc = run(cmd, timeout)
+    proc = run(cmd, timeout, env=env)
     if proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
@@ -55,6 +59,43 @@ def max_diff(a: list[float], b: list[float], min_len: int = 6) -> float:
     """Largest difference of two loss trajectories of the same length (at least min_len steps)."""
     assert len(a) == len(b) >= min_len
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+# --- Multi-process runs that several test modules compare against: one launch each per session ------------------
+WORKER = str(ROOT / "tests" / "dist" / "worker.py")
+# tests/dist/worker.py's variants (strategy[:option...]) in the FSDP2 reference launches: one process with
+# grad_accum 4 and two processes with grad_accum 2 see the same global batches.
+ONE_PROCESS_VARIANTS = ["ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit", "zero3:qlora"]
+TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:dir", "zero3:packed",
+                        "ddp:packed", "ddp:lora", "zero2:lora", "zero3:lora", "zero3:lora:bf16", "zero3:bf16",
+                        "zero2:fp16", "zero3:qlora", "zero3:adamw8bit"]
+
+
+def worker_results(out: Path, nproc: int, grad_accum: int, variants: list[str],
+                   env: dict[str, str] | None = None) -> dict[str, dict]:
+    """Run tests/dist/worker.py's variants in one launch of `nproc` processes; their results by variant."""
+    torchrun(nproc, [WORKER, str(out), str(grad_accum), *variants], env=env)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sharded HF directory (several safetensors files + index) holding the tiny-llama preset's own weights."""
+    from shardtune.models.init_model import init_model
+
+    model_dir = init_model(tmp_path_factory.mktemp("model") / "tiny", "tiny-llama", max_shard_bytes=2_000_000)
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[dict, dict]:
+    """(one process, two processes): the FSDP2 variants' results, shared by the parity and DeepSpeed tests."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    env = {"SHARDTUNE_TEST_MODEL_DIR": str(tiny_model_dir)}
+    one = worker_results(tmp / "one", 1, 4, ONE_PROCESS_VARIANTS, env)
+    two = worker_results(tmp / "two", 2, 2, TWO_PROCESS_VARIANTS, env)
+    return one, two
 
 
 @dataclass

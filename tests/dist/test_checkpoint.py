@@ -47,11 +47,18 @@ def losses(out: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
-    """Uninterrupted: 2 processes, zero3, grad_accum 2 (16 sequences per step), 8 steps."""
+def reference_run(tmp_path_factory, cache):
+    """Uninterrupted: 2 processes, zero3, grad_accum 2 (16 sequences per step), 8 steps; its run directory (ends
+    with a checkpoint at step 8 and the gathered model in model/). Read only: tests copy what they change."""
     out = tmp_path_factory.mktemp("ref") / "run"
     train(out, cache)
-    return losses(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted run's loss per step."""
+    return losses(reference_run)
 
 
 @pytest.fixture(scope="module")
@@ -211,11 +218,10 @@ def test_async_save_equals_sync_save(tmp_path, cache, sync_saves, writer):
     assert losses(sync) == losses(asyn)
 
 
-def test_export_round_trip_through_transformers(tmp_path, cache):
+def test_export_round_trip_through_transformers(tmp_path, reference_run):
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
-    train(out, cache)  # ends with a checkpoint at step 8 and the gathered model in out/model
+    out = reference_run  # ends with a checkpoint at step 8 and the gathered model in out/model
     exported = tmp_path / "exported"
     proc = shardtune("export", str(out), str(exported), "--dtype", "fp32", "--max-shard-size", "4MB")
     assert proc.returncode == 0, proc.stderr
