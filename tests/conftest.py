@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# One inductor cache for the whole run, this process and every process it starts: kernels (and the precompiled
+# header, ~10-20 s of C++ on CPU) compiled by one test are reused by the next, across processes and runs.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "inductor"))
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               TORCHINDUCTOR_CACHE_DIR=str(ROOT / ".pytest_cache" / "inductor"))
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env
