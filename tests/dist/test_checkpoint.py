@@ -121,10 +121,10 @@ def test_reshard_one_process_zero2_to_two_process_zero3(tmp_path, reference, cac
     assert max(abs(resumed[s] - reference[s]) for s in reference) < 1e-5
 
 
-def test_resume_auto_without_checkpoint_starts_fresh_and_bad_path_is_refused(tmp_path, cache):
+def test_resume_auto_without_checkpoint_starts_fresh_and_bad_path_is_refused(tmp_path, cache, cli):
     proc = train(tmp_path / "fresh", cache, "--resume", "train.stop_after_step=1")
     assert "resumed from" not in proc.stderr
-    bad = shardtune("train", TINY, "--resume", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "x"))
+    bad = cli("train", TINY, "--resume", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "x"))
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: checkpoint")
     assert len(bad.stderr.strip().splitlines()) == 1
 
