@@ -120,7 +120,7 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
         try:
             code = main(list(args))
         except SystemExit as err:  # argparse's usage errors exit 2, as the console script would
-            code = err.code if isinstance(err.code, int) else 1
+            code = err.code if isinstance(err.code, int) else int(err.code is not None)
         out, err_text = capsys.readouterr()
         return CliResult(code, out, err_text)
 
