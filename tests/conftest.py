@@ -1,33 +1,41 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# One inductor cache for the whole run, this process and every process it starts: kernels (and the precompiled
+# header, ~10-20 s of C++ on CPU) compiled by one test are reused by the next, across processes and runs.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "inductor"))
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               TORCHINDUCTOR_CACHE_DIR=str(ROOT / ".pytest_cache" / "inductor"))
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
     return env
 
 
-def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run a command, returning its completed process (stdout and stderr as text)."""
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a command (with `env` added to the environment), returning its completed process (text output)."""
+    return subprocess.run(cmd, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Launch a script on `nproc` gloo processes with torchrun; fail the test with its output if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *script_and_args]
-    proc = run(cmd, timeout)
+    proc = run(cmd, timeout, env=env)
     if proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
@@ -39,7 +47,125 @@ def shardtune(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "shardtune", *args], timeout)
 
 
+class Payload:
+    """Unpickling this runs `touch MARKER` (os.system), as a planted checkpoint file would."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
 def max_diff(a: list[float], b: list[float], min_len: int = 6) -> float:
     """Largest difference of two loss trajectories of the same length (at least min_len steps)."""
     assert len(a) == len(b) >= min_len
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+# --- Multi-process runs that several test modules compare against: one launch each per session ------------------
+WORKER = str(ROOT / "tests" / "dist" / "worker.py")
+# tests/dist/worker.py's variants (strategy[:option...]) in the FSDP2 reference launches: one process with
+# grad_accum 4 and two processes with grad_accum 2 see the same global batches.
+ONE_PROCESS_VARIANTS = ["ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit", "zero3:qlora"]
+TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:dir", "zero3:packed",
+                        "ddp:packed", "ddp:lora", "zero2:lora", "zero3:lora", "zero3:lora:bf16", "zero3:bf16",
+                        "zero2:fp16", "zero3:qlora", "zero3:adamw8bit"]
+
+
+def worker_results(out: Path, nproc: int, grad_accum: int, variants: list[str],
+                   env: dict[str, str] | None = None) -> dict[str, dict]:
+    """Run tests/dist/worker.py's variants in one launch of `nproc` processes; their results by variant."""
+    torchrun(nproc, [WORKER, str(out), str(grad_accum), *variants], env=env)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sharded HF directory (several safetensors files + index) holding the tiny-llama preset's own weights."""
+    from shardtune.models.init_model import init_model
+
+    model_dir = init_model(tmp_path_factory.mktemp("model") / "tiny", "tiny-llama", max_shard_bytes=2_000_000)
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[dict, dict]:
+    """(one process, two processes): the FSDP2 variants' results, shared by the parity and DeepSpeed tests."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    env = {"SHARDTUNE_TEST_MODEL_DIR": str(tiny_model_dir)}
+    one = worker_results(tmp / "one", 1, 4, ONE_PROCESS_VARIANTS, env)
+    two = worker_results(tmp / "two", 2, 2, TWO_PROCESS_VARIANTS, env)
+    return one, two
+
+
+@dataclass
+class CliResult:
+    """What an in-process `shardtune` command returned and printed (the fields of a CompletedProcess)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    """`shardtune ARGS` in the test's own process: `cli.main` as the console script calls it, with its printed
+    output. No interpreter start (5-10 s with torch); the two smoke tests in test_cli.py run the real command."""
+    from shardtune.cli import main
+
+    def call(*args: str) -> CliResult:
+        capsys.readouterr()  # only this command's output
+        try:
+            code = main(list(args))
+        except SystemExit as err:  # argparse's usage errors exit 2, as the console script would
+            code = err.code if isinstance(err.code, int) else int(err.code is not None)
+        out, err_text = capsys.readouterr()
+        return CliResult(code, out, err_text)
+
+    return call
+
+
+# --- Visible skips ------------------------------------------------------------------------------------------------
+# CI (CI=true) installs every extra and libaio, so a skip there means a broken install, not a missing GPU: it
+# fails the run. Only what a CPU machine cannot run may skip in CI; each reason is listed with why.
+ALLOWED_CI_SKIPS = {
+    "needs CUDA": "tests/gpu: the CI machine has no GPU",
+    "3.14's incremental collector has no full passes": "a Python version, not an install",
+}
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr  # (path, line, "Skipped: REASON") for a skip
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _fail_skip_in_ci(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Turn a skip into a failure (a test) or a collection error (a module-level skip) unless it is allowed."""
+    if not (report.skipped and in_ci()) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if reason in ALLOWED_CI_SKIPS:
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped in CI: {reason}\nCI installs every extra and libaio, so this skip means a broken "
+                       "install: install what is missing (or, for what a CPU machine cannot run, add the reason to "
+                       "ALLOWED_CI_SKIPS in tests/conftest.py)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())

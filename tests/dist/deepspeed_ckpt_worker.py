@@ -1,4 +1,4 @@
-"""Run under torchrun (1 or 2 gloo processes) by tests/unit/test_deepspeed_files.py: real DeepSpeed
+"""Run under torchrun (1 or 2 gloo processes) by tests/dist/test_deepspeed_checkpoints.py: real DeepSpeed
 checkpoints of a tiny Llama, laid out as shardtune step directories.
 
     torchrun --nproc-per-node 2 tests/dist/deepspeed_ckpt_worker.py OUT_DIR VARIANT [VARIANT ...]

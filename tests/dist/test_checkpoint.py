@@ -1,5 +1,7 @@
 """Checkpoints through the real CLI on gloo processes: resume parity, resharding across world sizes
-and strategies, kill -9 during a save, async == sync, export round trip."""
+and strategies, kill -9 during a save, async == sync, export round trip. Training runs the real command;
+exports call the CLI in this process (the `cli` fixture; tests/dist/test_deepspeed_checkpoints.py runs the
+real export command)."""
 
 from __future__ import annotations
 
@@ -47,11 +49,18 @@ def losses(out: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
-    """Uninterrupted: 2 processes, zero3, grad_accum 2 (16 sequences per step), 8 steps."""
+def reference_run(tmp_path_factory, cache):
+    """Uninterrupted: 2 processes, zero3, grad_accum 2 (16 sequences per step), 8 steps; its run directory (ends
+    with a checkpoint at step 8 and the gathered model in model/). Read only: tests copy what they change."""
     out = tmp_path_factory.mktemp("ref") / "run"
     train(out, cache)
-    return losses(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted run's loss per step."""
+    return losses(reference_run)
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +121,10 @@ def test_reshard_one_process_zero2_to_two_process_zero3(tmp_path, reference, cac
     assert max(abs(resumed[s] - reference[s]) for s in reference) < 1e-5
 
 
-def test_resume_auto_without_checkpoint_starts_fresh_and_bad_path_is_refused(tmp_path, cache):
+def test_resume_auto_without_checkpoint_starts_fresh_and_bad_path_is_refused(tmp_path, cache, cli):
     proc = train(tmp_path / "fresh", cache, "--resume", "train.stop_after_step=1")
     assert "resumed from" not in proc.stderr
-    bad = shardtune("train", TINY, "--resume", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "x"))
+    bad = cli("train", TINY, "--resume", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "x"))
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: checkpoint")
     assert len(bad.stderr.strip().splitlines()) == 1
 
@@ -211,13 +220,12 @@ def test_async_save_equals_sync_save(tmp_path, cache, sync_saves, writer):
     assert losses(sync) == losses(asyn)
 
 
-def test_export_round_trip_through_transformers(tmp_path, cache):
+def test_export_round_trip_through_transformers(tmp_path, reference_run, cli):
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
-    train(out, cache)  # ends with a checkpoint at step 8 and the gathered model in out/model
+    out = reference_run  # ends with a checkpoint at step 8 and the gathered model in out/model
     exported = tmp_path / "exported"
-    proc = shardtune("export", str(out), str(exported), "--dtype", "fp32", "--max-shard-size", "4MB")
+    proc = cli("export", str(out), str(exported), "--dtype", "fp32", "--max-shard-size", "4MB")
     assert proc.returncode == 0, proc.stderr
     assert len(list(exported.glob("model-*.safetensors"))) > 1 and (exported / "tokenizer.json").is_file()
     a = AutoModelForCausalLM.from_pretrained(exported)
@@ -225,7 +233,7 @@ def test_export_round_trip_through_transformers(tmp_path, cache):
     ids = torch.arange(4, 60).view(2, -1)
     assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
     bf16 = tmp_path / "bf16"
-    assert shardtune("export", str(out / "checkpoints" / "step-00000008"), str(bf16), "--dtype", "bf16").returncode == 0
+    assert cli("export", str(out / "checkpoints" / "step-00000008"), str(bf16), "--dtype", "bf16").returncode == 0
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
 
 
@@ -240,7 +248,7 @@ def _trainable_names() -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache):
+def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache, cli):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -267,19 +275,19 @@ def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache):
     ids = torch.arange(4, 60).view(2, -1)
     expected = trained(input_ids=ids).logits
     adapter = tmp_path / "adapter"
-    assert shardtune("export", str(out), str(adapter)).returncode == 0
+    assert cli("export", str(out), str(adapter)).returncode == 0
     expected_names = {n.replace(".default", "") for n in _trainable_names()}
     assert set(load_file(str(adapter / "adapter_model.safetensors"))) == expected_names  # 56, no LM head
     assert set(load_file(str(out / "adapter" / "adapter_model.safetensors"))) == expected_names
     again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter)
     assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
     merged = tmp_path / "merged"
-    proc = shardtune("export", str(out), str(merged), "--merge-lora", "--dtype", "fp32")
+    proc = cli("export", str(out), str(merged), "--merge-lora", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr
     assert torch.allclose(AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits, expected, atol=1e-4)
 
 
-def test_qlora_adapter_and_merged_export_equal_the_4bit_model(tmp_path, cache):
+def test_qlora_adapter_and_merged_export_equal_the_4bit_model(tmp_path, cache, cli):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -292,7 +300,7 @@ def test_qlora_adapter_and_merged_export_equal_the_4bit_model(tmp_path, cache):
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter")
     quantize_to_nf4(trained, lambda n: n.endswith(".base_layer"), shard_world=8)  # what training saw
     merged = tmp_path / "merged"
-    proc = shardtune("export", str(out), str(merged), "--merge-lora", "--dtype", "fp32")
+    proc = cli("export", str(out), str(merged), "--merge-lora", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-2000:]
     ids = torch.arange(4, 60).view(2, -1)
     with torch.no_grad():

@@ -5,43 +5,41 @@ export through transformers, and resume from DeepSpeed's own checkpoint format."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, max_diff, shardtune, torchrun
+from conftest import ROOT, max_diff, shardtune, worker_results
 
-from shardtune.models.init_model import init_model
 from shardtune.validate import _async_io_available
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("deepspeed")
 
-WORKER = str(ROOT / "tests" / "dist" / "worker.py")
 # NVMe offload needs DeepSpeed's async I/O op, built on first use against libaio (.ci/run installs it).
 NVME = _async_io_available()
+NO_LIBAIO = "libaio is not installed here (.ci/run installs it): DeepSpeed's async I/O op cannot build"
 DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero2:ds:offload", "zero3:ds:offparams",
-           *(["zero3:ds:nvme"] if NVME else [])]
+           "zero3:ds:nvme"]
+RUNNABLE = [v for v in DS_FP32 if NVME or v != "zero3:ds:nvme"]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, fsdp2_runs, tiny_model_dir):
+    """(the FSDP2 launches of tests/conftest.py's fsdp2_runs, this module's DeepSpeed launch)"""
     tmp = tmp_path_factory.mktemp("ds")
-    os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(init_model(tmp / "tiny", "tiny-llama"))
-    try:
-        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:lora"])
-        torchrun(2, [WORKER, str(tmp / "two"), "2", "zero2", "zero3", *DS_FP32, "zero3:ds:lora", "zero3:ds:bf16"])
-    finally:
-        os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
-    two = json.loads((tmp / "two" / "results.json").read_text())
+    one, fsdp2 = fsdp2_runs
+    two = worker_results(tmp / "two", 2, 2, [*RUNNABLE, "zero3:ds:lora", "zero3:ds:bf16"],
+                         env={"SHARDTUNE_TEST_MODEL_DIR": str(tiny_model_dir)})
+    two["zero2"], two["zero3"] = fsdp2["zero2"], fsdp2["zero3"]
     two["nvme_swap_files"] = sorted(str(p.relative_to(tmp / "two" / "nvme"))
                                     for p in (tmp / "two" / "nvme").rglob("*.swp") if p.stat().st_size > 0)
-    return json.loads((tmp / "ref" / "results.json").read_text()), two
+    return one, two
 
 
-@pytest.mark.parametrize("variant", DS_FP32)
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.skipif(not NVME, reason=NO_LIBAIO))
+                                     if v == "zero3:ds:nvme" else v for v in DS_FP32])
 def test_deepspeed_matches_unsharded_and_fsdp2(results, variant):
     ref, two = results
     assert two[variant]["world"] == 2
@@ -52,9 +50,8 @@ def test_deepspeed_matches_unsharded_and_fsdp2(results, variant):
     assert two[variant]["export_logit_diff"] < 1e-5  # OUTPUT/model reloads through transformers
 
 
+@pytest.mark.skipif(not NVME, reason=NO_LIBAIO)
 def test_nvme_offload_keeps_the_optimizer_states_in_the_folder(results):
-    if not NVME:
-        pytest.skip("libaio is not installed here (.ci/run installs it): DeepSpeed's async I/O op cannot build")
     swapped = results[1]["nvme_swap_files"]  # its losses are checked with the other variants above
     for rank in (0, 1):
         assert any(f"rank{rank}/exp_avg-" in f for f in swapped), swapped

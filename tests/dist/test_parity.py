@@ -1,22 +1,18 @@
 """Loss parity of every strategy against the unsharded single-process run (2 gloo processes, fp32).
 
 One launch runs all 2-process variants (start-up is the expensive part on CPU); the reference is
-one process with grad_accum 4, i.e. the same global batches as 2 processes x grad_accum 2.
+one process with grad_accum 4, i.e. the same global batches as 2 processes x grad_accum 2. Both launches
+are the session's `fsdp2_runs` (tests/conftest.py: their variants are listed there); the DeepSpeed tests
+compare against the same runs.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
-from conftest import ROOT, max_diff, torchrun
-
-from shardtune.models.init_model import init_model
+from conftest import max_diff, worker_results
 
 pytestmark = pytest.mark.dist
 
-WORKER = str(ROOT / "tests" / "dist" / "worker.py")
 FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
@@ -25,24 +21,11 @@ LORA_BF16 = "zero3:lora:bf16"
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parity")
-    # A sharded HF directory (several safetensors files + index) holding the preset's own weights.
-    model_dir = init_model(tmp / "tiny", "tiny-llama", max_shard_bytes=2_000_000)
-    assert (model_dir / "model.safetensors.index.json").is_file()
-    os.environ["SHARDTUNE_TEST_MODEL_DIR"] = str(model_dir)
-    try:
-        torchrun(1, [WORKER, str(tmp / "ref"), "4", "ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit",
-                     "zero3:qlora"])
-        torchrun(2, [WORKER, str(tmp / "two"), "2", *FP32, *PACKED, *LORA, LORA_BF16, *LOW, "zero3:qlora",
-                     "zero3:adamw8bit"])
-    finally:
-        os.environ.pop("SHARDTUNE_TEST_MODEL_DIR", None)
-        # HSDP: 2 groups of 2 processes, each group holding one sharded copy (global batch 16 as above).
-        torchrun(4, [WORKER, str(tmp / "four"), "1", "hsdp:s2", "hsdp:s2:qlora"])
-    refs = json.loads((tmp / "ref" / "results.json").read_text())
-    two = json.loads((tmp / "two" / "results.json").read_text())
-    two["_four"] = json.loads((tmp / "four" / "results.json").read_text())
+def results(fsdp2_runs, tmp_path_factory):
+    refs, two = fsdp2_runs  # the 1- and 2-process launches (tests/conftest.py), shared with test_deepspeed.py
+    two = dict(two)
+    # HSDP: 2 groups of 2 processes, each group holding one sharded copy (global batch 16 as above).
+    two["_four"] = worker_results(tmp_path_factory.mktemp("parity") / "four", 4, 1, ["hsdp:s2", "hsdp:s2:qlora"])
     two["_ref_packed"] = refs["ddp:packed"]
     two["_ref_lora"] = refs["ddp:lora"]
     two["_ref_qlora"] = refs["ddp:qlora"]

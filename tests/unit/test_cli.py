@@ -1,4 +1,9 @@
-"""The command line as users run it: exit codes, one-line errors, init-model, validate."""
+"""The command line as users run it: exit codes, one-line errors, init-model, validate.
+
+Most tests call `shardtune.cli.main` in this process (the `cli` fixture): starting `python -m shardtune` costs
+5-10 s of interpreter and torch import each. Two smoke tests run the real console command: one success, one
+exit-2 error.
+"""
 
 from __future__ import annotations
 
@@ -36,8 +41,8 @@ def test_validate_ok():
     ("data.train_file=/nope.jsonl", ["data.train_file", "/nope.jsonl"]),
     ("train.seq_len=100000", ["train.seq_len", "max_position_embeddings"]),
 ])
-def test_bad_input_exits_2_with_one_line(override, fragments):
-    _one_line_error(shardtune("validate", TINY, override), *fragments)
+def test_bad_input_exits_2_with_one_line(override, fragments, cli):
+    _one_line_error(cli("validate", TINY, override), *fragments)
 
 
 def test_train_refuses_bad_input_before_launching(tmp_path):
@@ -46,14 +51,14 @@ def test_train_refuses_bad_input_before_launching(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_typo_in_yaml_file(tmp_path):
+def test_typo_in_yaml_file(tmp_path, cli):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(Path(TINY).read_text().replace("micro_batch_size", "micro_batch"))
-    _one_line_error(shardtune("validate", str(cfg)), "train.micro_batch", "micro_batch_size")
+    _one_line_error(cli("validate", str(cfg)), "train.micro_batch", "micro_batch_size")
 
 
-def test_missing_config_file():
-    _one_line_error(shardtune("validate", "nope.yaml"), "nope.yaml", "does not exist")
+def test_missing_config_file(cli):
+    _one_line_error(cli("validate", "nope.yaml"), "nope.yaml", "does not exist")
 
 
 def _model_dir(tmp_path: Path, hf_config) -> Path:
@@ -62,32 +67,32 @@ def _model_dir(tmp_path: Path, hf_config) -> Path:
     return path
 
 
-def test_encoder_decoder_model_is_refused(tmp_path):
+def test_encoder_decoder_model_is_refused(tmp_path, cli):
     from transformers import T5Config
 
     path = _model_dir(tmp_path, T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=300))
-    _one_line_error(shardtune("validate", TINY, "model.preset=null", f"model.path={path}"),
+    _one_line_error(cli("validate", TINY, "model.preset=null", f"model.path={path}"),
                     "'t5'", "encoder-decoder", "decoder-only")
 
 
-def test_non_causal_architecture_is_refused(tmp_path):
+def test_non_causal_architecture_is_refused(tmp_path, cli):
     from transformers import ViTConfig
 
     path = _model_dir(tmp_path, ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
-    _one_line_error(shardtune("validate", TINY, "model.preset=null", f"model.path={path}"), "'vit'", "causal")
+    _one_line_error(cli("validate", TINY, "model.preset=null", f"model.path={path}"), "'vit'", "causal")
 
 
-def test_model_dir_without_config(tmp_path):
-    _one_line_error(shardtune("validate", TINY, "model.preset=null", f"model.path={tmp_path}"), "no config.json")
+def test_model_dir_without_config(tmp_path, cli):
+    _one_line_error(cli("validate", TINY, "model.preset=null", f"model.path={tmp_path}"), "no config.json")
 
 
-def test_init_model_tiny_loads_and_matches_preset_init(tmp_path):
+def test_init_model_tiny_loads_and_matches_preset_init(tmp_path, cli):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardtune.models.weights import RandomInitSource
 
     out = tmp_path / "tiny"
-    proc = shardtune("init-model", str(out), "--preset", "tiny-llama", "--seed", "3")
+    proc = cli("init-model", str(out), "--preset", "tiny-llama", "--seed", "3")
     assert proc.returncode == 0, proc.stderr
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -98,16 +103,16 @@ def test_init_model_tiny_loads_and_matches_preset_init(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_init_model_config_only_for_real_shape(tmp_path):
+def test_init_model_config_only_for_real_shape(tmp_path, cli):
     out = tmp_path / "8b"
-    assert shardtune("init-model", str(out), "--preset", "llama-3-8b", "--config-only").returncode == 0
+    assert cli("init-model", str(out), "--preset", "llama-3-8b", "--config-only").returncode == 0
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (4096, 32, 128256)
     assert not list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
 
 
-def test_init_model_unknown_preset(tmp_path):
-    _one_line_error(shardtune("init-model", str(tmp_path / "x"), "--preset", "gpt-9"), "gpt-9", "tiny-llama")
+def test_init_model_unknown_preset(tmp_path, cli):
+    _one_line_error(cli("init-model", str(tmp_path / "x"), "--preset", "gpt-9"), "gpt-9", "tiny-llama")
 
 
 def test_resolve_nproc():
@@ -129,8 +134,8 @@ def test_torchrun_args_single_and_multi_node():
 # --- shardtune plan ----------------------------------------------------------------------------------------------
 
 
-def test_plan_summary():
-    proc = shardtune("plan", TINY)
+def test_plan_summary(cli):
+    proc = cli("plan", TINY)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for fragment in ("backend    fsdp2", "zero3: FSDP2", "LlamaDecoderLayer", "offload    none", "fp32",
@@ -138,8 +143,8 @@ def test_plan_summary():
         assert fragment in out, out
 
 
-def test_plan_summary_deepspeed():
-    proc = shardtune("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero2",
+def test_plan_summary_deepspeed(cli):
+    proc = cli("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero2",
                      "parallel.offload=optimizer", "train.grad_accum=2", "--nproc", "4")
     assert proc.returncode == 0, proc.stderr
     for fragment in ("backend    deepspeed", "DeepSpeed ZeRO stage 2", "optimizer states to CPU memory",
@@ -157,8 +162,8 @@ def test_plan_summary_deepspeed():
     (["parallel.backend=deepspeed", "deepspeed.zero_optimization.reduce_bucket_sise=5"],
      ["DeepSpeed refuses", "reduce_bucket_sise"]),
 ])
-def test_plan_bad_input_exits_2_with_one_line(args, fragments):
-    proc = shardtune("plan", TINY, *args)
+def test_plan_bad_input_exits_2_with_one_line(args, fragments, cli):
+    proc = cli("plan", TINY, *args)
     _one_line_error(proc, *fragments)
     assert proc.stdout == ""
 
@@ -195,14 +200,14 @@ def _training_args(tmp_path, ds, **kwargs):
     ["parallel.strategy=zero3", "parallel.offload=params", "train.precision=fp16", "train.micro_batch_size=2",
      "parallel.activation_checkpointing=full", "deepspeed.zero_optimization.sub_group_size=1e8"],
 ])
-def test_emit_deepspeed_is_accepted_by_training_arguments(tmp_path, single_process_trainer_env, overrides):
+def test_emit_deepspeed_is_accepted_by_training_arguments(tmp_path, single_process_trainer_env, overrides, cli):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from shardtune.config import load_config
     from shardtune.parallel.ds_config import trainer_arguments
 
     overrides = ["parallel.backend=deepspeed", *overrides]
-    proc = shardtune("plan", TINY, *overrides, "--emit", "deepspeed")
+    proc = cli("plan", TINY, *overrides, "--emit", "deepspeed")
     assert proc.returncode == 0, proc.stderr
     path = tmp_path / "ds.json"
     path.write_text(proc.stdout)
@@ -266,8 +271,8 @@ def _accelerate_launch_env(path: Path) -> tuple[object, dict[str, str]]:
     return loaded, prepare_multi_gpu_env(args)
 
 
-def test_emit_accelerate_deepspeed_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env):
-    proc = shardtune("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero3", "parallel.offload=params",
+def test_emit_accelerate_deepspeed_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env, cli):
+    proc = cli("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero3", "parallel.offload=params",
                      "train.precision=bf16", "train.grad_accum=2", "--emit", "accelerate")
     assert proc.returncode == 0, proc.stderr
     path = tmp_path / "accelerate.yaml"
@@ -287,8 +292,8 @@ def test_emit_accelerate_deepspeed_loads_in_accelerate(tmp_path, monkeypatch, si
     assert plugin.zero3_init_flag is True
 
 
-def test_emit_accelerate_fsdp2_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env):
-    proc = shardtune("plan", TINY, "parallel.strategy=zero2", "parallel.activation_checkpointing=full",
+def test_emit_accelerate_fsdp2_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env, cli):
+    proc = cli("plan", TINY, "parallel.strategy=zero2", "parallel.activation_checkpointing=full",
                      "--emit", "accelerate")
     assert proc.returncode == 0, proc.stderr
     path = tmp_path / "accelerate.yaml"
@@ -306,8 +311,8 @@ def test_emit_accelerate_fsdp2_loads_in_accelerate(tmp_path, monkeypatch, single
     assert str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT")
 
 
-def test_emit_accelerate_hsdp_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env):
-    proc = shardtune("plan", TINY, "parallel.strategy=hsdp", "parallel.shard_size=2", "--nproc", "4",
+def test_emit_accelerate_hsdp_loads_in_accelerate(tmp_path, monkeypatch, single_process_trainer_env, cli):
+    proc = cli("plan", TINY, "parallel.strategy=hsdp", "parallel.shard_size=2", "--nproc", "4",
                      "--emit", "accelerate")
     assert proc.returncode == 0, proc.stderr
     path = tmp_path / "accelerate.yaml"
@@ -322,8 +327,8 @@ def test_emit_accelerate_hsdp_loads_in_accelerate(tmp_path, monkeypatch, single_
     assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 2)
 
 
-def test_plan_hsdp_shard_size_must_divide_the_processes():
-    proc = shardtune("plan", TINY, "parallel.strategy=hsdp", "parallel.shard_size=3", "--nproc", "4")
+def test_plan_hsdp_shard_size_must_divide_the_processes(cli):
+    proc = cli("plan", TINY, "parallel.strategy=hsdp", "parallel.shard_size=3", "--nproc", "4")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "parallel.shard_size: 3 does not divide the 4 processes" in proc.stderr
 

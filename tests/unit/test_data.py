@@ -160,6 +160,39 @@ def test_sampler_too_small_dataset():
         StepSampler(15, 2, 4, 2, 0, 0)
 
 
+def test_sampler_state_dict_round_trip_and_position():
+    a = StepSampler(100, 4, 2, 2, 1, seed=9)
+    assert a.position == 0
+    a.position = 7
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["position"] == 7 and state["epoch"] == 1 and state["global_batch_size"] == 16
+    b = StepSampler(100, 2, 4, 2, 1, seed=9)  # another split of the same global batch
+    b.load_state_dict(state)
+    assert b.position == 7
+    assert sorted(b.step_indices(7)) == sorted(a.step_indices(7))
+    with pytest.raises(ValueError):
+        a.position = -1
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_examples": 101}, r"had 100 examples and now has 101"),
+    ({"seed": 10}, r"train\.seed was 9 and is now 10"),
+    ({"grad_accum": 3}, r"global batch was 16 sequences and is now 24 .*keep the product"),
+    ({"fingerprint": "other"}, r"tokenized training data changed"),
+])
+def test_sampler_load_state_dict_refuses_another_order(kwargs, message):
+    a = StepSampler(100, 4, 2, 2, 0, seed=9, fingerprint="data-a")
+    a.position = 3
+    args = {"num_examples": 100, "micro_batch_size": 4, "grad_accum": 2, "world_size": 2, "rank": 0, "seed": 9,
+            "fingerprint": "data-a"} | kwargs
+    b = StepSampler(**args)
+    with pytest.raises(ShardtuneError, match="cannot resume with the same data order: .*" + message):
+        b.load_state_dict(a.state_dict())
+    assert b.position == 0
+    with pytest.raises(ShardtuneError, match="sampler state version"):
+        b.load_state_dict({**a.state_dict(), "version": 99})
+
+
 # ---------------------------------------------------------------- eval batches
 
 
