@@ -34,6 +34,11 @@ def test_demo_trains_on_two_cpu_processes_and_learns(tmp_path):
     assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
     assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"] + 0.2
     assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
+    # Every run is a calibration point: the prediction beside what was measured.
+    plan = json.loads((out / "plan.json").read_text())["chosen"]
+    assert (plan["strategy"], plan["micro_batch_size"]) == ("zero3", 16)
+    compared = json.loads((out / "summary.json").read_text())["plan"]
+    assert compared["measured"]["tokens_per_sec_per_gpu"] > 0 and "tokens_per_sec_per_gpu" in compared["error"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,3 +94,24 @@ def test_tiny_chat_with_packing_learns(tmp_path):
     assert "packed into" in proc.stderr
     evals = [r for r in _records(out) if r.get("eval")]
     assert evals[-1]["eval_loss"] < 0.6 * evals[0]["eval_loss"]
+
+
+def test_strategy_and_micro_batch_auto_run_end_to_end(tmp_path):
+    """`auto` takes the planner's pick before any process starts; the workers train with it and record it."""
+    out = tmp_path / "auto"
+    proc = shardtune("train", TINY, "--output-dir", str(out), "parallel.strategy=auto", "train.micro_batch_size=auto",
+                     "train.max_steps=3", "train.eval_every=0", "data.eval_fraction=0", "checkpoint.save_final=false",
+                     "checkpoint.at_end=false", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "plan: fsdp2 " in proc.stdout and "(parallel.strategy, train.micro_batch_size: auto)" in proc.stdout
+    import yaml
+
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["parallel"]["strategy"] in ("ddp", "zero2", "zero3")
+    assert isinstance(resolved["train"]["micro_batch_size"], int)
+    plan = json.loads((out / "plan.json").read_text())["chosen"]
+    assert (plan["strategy"], plan["micro_batch_size"]) == (resolved["parallel"]["strategy"],
+                                                           resolved["train"]["micro_batch_size"])
+    assert [r for r in _records(out) if not r.get("eval")][-1]["step"] == 3
+    proc = shardtune("plan", "--check", str(out))
+    assert proc.returncode == 0 and "peak allocated GiB" in proc.stdout and "tokens/s per GPU" in proc.stdout
