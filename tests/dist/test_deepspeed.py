@@ -13,14 +13,14 @@ import pytest
 from conftest import ROOT, max_diff, shardtune, torchrun
 
 from shardtune.models.init_model import init_model
-from shardtune.validate import _async_io_available
+from shardtune.parallel.deepspeed import async_io_available
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("deepspeed")
 
 WORKER = str(ROOT / "tests" / "dist" / "worker.py")
 # NVMe offload needs DeepSpeed's async I/O op, built on first use against libaio (.ci/run installs it).
-NVME = _async_io_available()
+NVME = async_io_available()
 DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero2:ds:offload", "zero3:ds:offparams",
            *(["zero3:ds:nvme"] if NVME else [])]
 TINY = str(ROOT / "examples" / "tiny.yaml")

@@ -54,6 +54,11 @@ WRITE_THREADS = 4
 
 # ---- finding checkpoints ----------------------------------------------------------------------------
 
+def checkpoint_root(cfg: CheckpointConfig, output_dir: str | Path) -> Path:
+    """Where a run's checkpoints go: checkpoint.dir, else OUTPUT_DIR/checkpoints."""
+    return Path(cfg.dir) if cfg.dir else Path(output_dir) / "checkpoints"
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 

@@ -19,6 +19,8 @@ than one block plus the embeddings in full.
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,11 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardtune.config import OptimConfig, ParallelConfig
+from shardtune.config import Config, OptimConfig, ParallelConfig
 from shardtune.dist import DistContext
+from shardtune.errors import ShardtuneError
 from shardtune.models.attention import model_inputs
 from shardtune.models.build import assert_no_meta, restore_buffers
 from shardtune.models.weights import WeightSource, load_weights, retie, shared_parameters
+from shardtune.parallel.base import BackendSpec
+from shardtune.parallel.ds_config import STAGES, deepspeed_config
 from shardtune.parallel.fsdp2 import DTYPES, _jsonable
 from shardtune.parallel.prepare import checkpoint_and_compile
 from shardtune.train.loss import token_loss_sum
@@ -39,7 +44,6 @@ from shardtune.train.optim import build_optimizer, build_scheduler, param_groups
 if TYPE_CHECKING:
     from shardtune.data import Batch
 
-STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 TAG = "state"  # one DeepSpeed tag per shardtune checkpoint directory
 
 
@@ -240,3 +244,117 @@ def _without_frozen_aliases(engine: Any, frozen: bool) -> Iterator[None]:
         yield
     finally:
         del engine.module_state_dict
+
+
+# ---- what this backend runs, and how `plan` describes it --------------------------------------------
+
+SUPPORTS = {
+    "parallel.strategy": ("ddp", "zero1", "zero2", "zero3"),
+    "parallel.offload": ("none", "optimizer", "params"),
+    "peft.method": ("none", "lora"),
+    "optim.name": ("adamw",),
+    "train.precision": ("fp32", "bf16", "fp16"),  # fp16 on GPUs only (check)
+}
+REFUSALS = {
+    ("parallel.strategy", "hsdp"): "parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; "
+                                   "set it, or use parallel.strategy=zero3 with deepspeed",
+    ("peft.method", "qlora"): "peft.method: qlora needs parallel.backend=fsdp2 (its torchao NF4 weights shard under "
+                              "FSDP2 only); set parallel.backend=fsdp2, or use peft.method=lora with deepspeed",
+    ("optim.name", "adamw8bit"): "optim.name: adamw8bit needs parallel.backend=fsdp2 (its torchao 8-bit states "
+                                 "follow FSDP2's sharded parameters); use optim.name=adamw with deepspeed "
+                                 "(parallel.offload=optimizer also saves GPU memory), or parallel.backend=fsdp2",
+}
+
+
+def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+    """DeepSpeed's refusals beyond SUPPORTS. `device` ("cuda"/"cpu"): the machine the run starts on, when known.
+    With `world` (processes per node), also the DeepSpeed config the backend would build, through DeepSpeed's
+    own parser (conflicts with the `deepspeed:` section, misspelt keys)."""
+    p = cfg.parallel
+    if device == "cpu" and cfg.train.precision == "fp16":
+        raise ShardtuneError("train.precision: DeepSpeed has no fp16 on CPU; use train.precision=bf16 or fp32 here "
+                             "(fp16 with deepspeed needs GPUs), or parallel.backend=fsdp2")
+    if p.offload_nvme_path is not None and not async_io_available():
+        raise ShardtuneError("parallel.offload_nvme_path: NVMe offload needs libaio for DeepSpeed's async I/O op; "
+                             "install it (apt-get install libaio-dev, or yum install libaio-devel), or remove "
+                             "offload_nvme_path to offload to CPU memory")
+    if p.strategy == "zero3" and p.compile:
+        raise ShardtuneError("parallel.compile: torch.compile is not supported with DeepSpeed zero3 here (its "
+                             "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "
+                             "parallel.backend=fsdp2")
+    ds = None if world is None else deepspeed_config(p, cfg.train, cfg.optim, cfg.deepspeed, world)  # ConfigError
+    failed = deepspeed_import_error()
+    if failed is not None:
+        raise ShardtuneError(f"parallel.backend: deepspeed needs the deepspeed package (import deepspeed failed: "
+                             f"{failed}); pip install 'shardtune[deepspeed]', or use parallel.backend=fsdp2")
+    if ds is not None:
+        check_deepspeed_accepts(ds)
+
+
+def describe(cfg: Config, world: int) -> str:
+    return f"DeepSpeed ZeRO stage {STAGES[cfg.parallel.strategy]}"
+
+
+def check_deepspeed_accepts(ds: dict[str, Any]) -> None:
+    """DeepSpeed's own config parser on the merged config, so a misspelt key of the `deepspeed:` section stops
+    the run here and not after every process has started."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    # Outside a process group DeepSpeedConfig checks the batch sizes against a world of 1.
+    probe = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            DeepSpeedConfig(probe)
+    except ValidationError as err:
+        e = err.errors()[0]
+        where = ".".join(str(part) for part in e["loc"]) or "config"
+        raise ShardtuneError(f"deepspeed: DeepSpeed refuses the config ({err.title}): {where}: {e['msg']}; fix or "
+                             "remove it in the deepspeed section") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ShardtuneError(f"deepspeed: DeepSpeed refuses the config: {first}; fix it in the deepspeed section") \
+            from None
+
+
+@functools.lru_cache(maxsize=1)
+def deepspeed_import_error() -> str | None:
+    """None if `import deepspeed` works, else why not (one line).
+
+    DeepSpeed's logger writes to stdout, and its accelerator probe logs while importing ("Setting accelerator
+    to CPU" on machines without a GPU). That chatter is dropped and the logger pointed at stderr, so stdout stays
+    for what shardtune prints there (`shardtune plan --emit ...`) and a refused config stays one line."""
+    import io
+    import logging
+
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter):
+            import deepspeed  # noqa: F401
+    except Exception as err:  # a broken install fails in many ways (ImportError, RuntimeError from an op builder)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}" if first else type(err).__name__
+    finally:
+        for handler in logging.getLogger("DeepSpeed").handlers:  # the handler DeepSpeed made during this import
+            if isinstance(handler, logging.StreamHandler) and handler.stream is chatter:
+                handler.setStream(sys.stderr)
+    return None
+
+
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async I/O op (NVMe offload) can be built here: it needs libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # deepspeed missing or its probe failing: the import check reports the former
+        return False
+
+
+def _make(cfg: Config, ctx: DistContext) -> DeepSpeedBackend:
+    ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, ctx.world)
+    return DeepSpeedBackend(cfg.parallel, cfg.train.precision, ctx, ds)
+
+
+SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,
+                   checkpoint_format="deepspeed")

@@ -23,11 +23,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from shardtune.config import OptimConfig, ParallelConfig
+from shardtune.config import Config, OptimConfig, ParallelConfig
 from shardtune.dist import DistContext
 from shardtune.errors import ShardtuneError
 from shardtune.models.attention import model_inputs
 from shardtune.models.weights import WeightSource, load_weights
+from shardtune.parallel.base import BackendSpec
 from shardtune.parallel.prepare import checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
 from shardtune.train.loss import token_loss_sum
@@ -233,3 +234,55 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     return obj
+
+
+# ---- what this backend runs, and how `plan` describes it --------------------------------------------
+
+SUPPORTS = {
+    "parallel.strategy": ("ddp", "zero2", "zero3", "hsdp"),
+    "parallel.offload": ("none",),
+    "peft.method": ("none", "lora", "qlora"),
+    "optim.name": ("adamw", "adamw8bit"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+}
+REFUSALS = {
+    ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
+                                    "set parallel.backend=deepspeed, or use parallel.strategy=zero2 with fsdp2",
+    **{("parallel.offload", offload): f"parallel.offload: {offload} offload is DeepSpeed ZeRO-Offload, which backend "
+                                      "fsdp2 does not have; set parallel.backend=deepspeed, or parallel.offload=none"
+       for offload in ("optimizer", "params")},
+}
+
+
+def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+    """FSDP2's refusals beyond SUPPORTS (`world`: processes per node, when known)."""
+    p = cfg.parallel
+    if cfg.optim.fused is True and uses_sharded_scaler(p, cfg.train.precision):
+        raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
+                             "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
+                             "(foreach AdamW then), or train.precision=bf16")
+    if cfg.deepspeed:
+        raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
+                             "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
+    if world is not None and p.strategy == "hsdp":
+        hsdp_shard_size(p, world, world)
+
+
+def describe(cfg: Config, world: int) -> str:
+    """How FSDP2 runs the strategy (`shardtune plan`); `world`: processes per node."""
+    p = cfg.parallel
+    if p.strategy == "ddp":
+        return "torch DDP (replicated)"
+    if p.strategy == "hsdp":
+        shard = hsdp_shard_size(p, world, world)  # checked by check_combination before this runs
+        return (f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard "
+                f"{shard}) mesh")
+    return f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"
+
+
+def _make(cfg: Config, ctx: DistContext) -> FSDP2Backend:
+    return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx)
+
+
+SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,
+                   checkpoint_format="dcp")

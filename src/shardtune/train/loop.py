@@ -15,8 +15,8 @@ import torch
 
 from shardtune.checkpoint.dcp import (
     Checkpointer,
-    check_resumable,
     checkpoint_format,
+    checkpoint_root,
     read_trainer_state,
     resolve_checkpoint,
 )
@@ -30,7 +30,7 @@ from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_fl
 from shardtune.metrics.logger import MetricsLogger, log_rank0
 from shardtune.models.build import build_on_meta, load_hf_config
 from shardtune.models.facts import decoder_blocks
-from shardtune.models.tokenizer import load_tokenizer
+from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.models.weights import make_source
 from shardtune.parallel import make_backend
 from shardtune.parallel.base import Backend
@@ -38,7 +38,6 @@ from shardtune.peft.lora import LoraSource, apply_lora, cast_frozen, frozen_dtyp
 from shardtune.peft.qlora import quantize_to_nf4
 from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
-from shardtune.validate import check_combination
 
 
 @dataclass
@@ -61,10 +60,8 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     ctx = ctx or init_distributed()
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    root = checkpoint_root(cfg.checkpoint, out)
     resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
-    if resume:
-        check_resumable(resume, cfg.parallel.backend, ctx.world)
     saved = read_trainer_state(resume) if resume else None
     if saved:
         cfg = keep_global_batch(cfg, saved, ctx)
@@ -75,8 +72,6 @@ def run_training(cfg: Config, ctx: DistContext | None = None) -> TrainResult:
     tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model)
     check_vocab(tokenizer, hf_config)
-    check_combination(cfg)
-    check_device(cfg, ctx.device)
     t = cfg.train
     data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=ctx.local_rank == 0)
     sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
@@ -235,19 +230,6 @@ def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tens
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(count)
     return count
-
-
-def check_device(cfg: Config, device: torch.device) -> None:
-    """What this machine cannot run (`validate` checks the config alone, wherever it runs)."""
-    if cfg.parallel.backend == "deepspeed" and cfg.train.precision == "fp16" and device.type == "cpu":
-        raise ShardtuneError("train.precision: DeepSpeed has no fp16 on CPU; use train.precision=bf16 or fp32 here "
-                             "(fp16 with deepspeed needs GPUs), or parallel.backend=fsdp2")
-
-
-def check_vocab(tokenizer: Any, hf_config: Any) -> None:
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ShardtuneError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                             f"{hf_config.vocab_size}; use the tokenizer that belongs to the model")
 
 
 class _Interval:
