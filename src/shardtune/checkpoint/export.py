@@ -174,13 +174,10 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
 
 def _nf4_round_trip(run: dict[str, Any], trainer: dict[str, Any]) -> Any:
     """The NF4 quantise-dequantise the QLoRA run applied to each base weight (same block sizes)."""
-    from shardtune.peft.qlora import _nf4_api, nf4_scaler_block_size
+    from shardtune.config import ParallelConfig
+    from shardtune.parallel import BACKENDS
+    from shardtune.peft.qlora import nf4_round_trip, nf4_shard_world
 
-    _, to_nf4 = _nf4_api()
-    world = 1 if run.get("parallel", {}).get("strategy") == "ddp" else int(trainer.get("world_size", 1))
-
-    def round_trip(weight: torch.Tensor) -> torch.Tensor:
-        sbs = nf4_scaler_block_size(weight.shape, math.lcm(world, 8))
-        return weight if sbs is None else to_nf4(weight.contiguous(), 64, sbs).get_original_weight().float()
-
-    return round_trip
+    parallel = ParallelConfig(**run.get("parallel", {}))
+    shards = BACKENDS[parallel.backend].param_shards(parallel, int(trainer.get("world_size", 1)))
+    return functools.partial(nf4_round_trip, shard_world=nf4_shard_world(shards))

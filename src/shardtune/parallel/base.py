@@ -13,7 +13,7 @@ from torch import nn
 from shardtune.errors import ShardtuneError
 
 if TYPE_CHECKING:
-    from shardtune.config import Config, OptimConfig
+    from shardtune.config import Config, OptimConfig, ParallelConfig
     from shardtune.data import Batch
     from shardtune.dist import DistContext
     from shardtune.models.weights import WeightSource
@@ -83,6 +83,8 @@ class BackendSpec:
     check:     its other refusals: (cfg, world or None, device type or None); world = processes per node.
     describe:  (cfg, world) -> how it runs the strategy, as `shardtune plan` prints it.
     checkpoint_format: the on-disk format of its checkpoints (a name of checkpoint's formats).
+    param_shards: (parallel, world) -> over how many ranks it splits each parameter at rest (1: every rank
+               holds whole parameters); QLoRA sizes its NF4 blocks for it.
     """
 
     supports: dict[str, tuple[str, ...]]
@@ -91,6 +93,7 @@ class BackendSpec:
     check: Callable[[Config, int | None, str | None], None]
     describe: Callable[[Config, int], str]
     checkpoint_format: str
+    param_shards: Callable[[ParallelConfig, int], int]
 
     def refuse_unsupported(self, cfg: Config) -> None:
         """The first setting this backend does not run, as one line with its fix."""

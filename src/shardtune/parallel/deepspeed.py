@@ -351,10 +351,15 @@ def async_io_available() -> bool:
         return False
 
 
+def param_shards(parallel: ParallelConfig, world: int) -> int:
+    """Only ZeRO-3 partitions the parameters."""
+    return world if STAGES[parallel.strategy] == 3 else 1
+
+
 def _make(cfg: Config, ctx: DistContext) -> DeepSpeedBackend:
     ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, ctx.world)
     return DeepSpeedBackend(cfg.parallel, cfg.train.precision, ctx, ds)
 
 
 SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,
-                   checkpoint_format="deepspeed")
+                   checkpoint_format="deepspeed", param_shards=param_shards)

@@ -280,9 +280,15 @@ def describe(cfg: Config, world: int) -> str:
     return f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"
 
 
+def param_shards(parallel: ParallelConfig, world: int) -> int:
+    """ddp keeps whole parameters; the others split them over the world (hsdp within groups of shard_size,
+    which divides the world, so what fits `world` shards also fits the groups)."""
+    return 1 if parallel.strategy == "ddp" else world
+
+
 def _make(cfg: Config, ctx: DistContext) -> FSDP2Backend:
     return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx)
 
 
 SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,
-                   checkpoint_format="dcp")
+                   checkpoint_format="dcp", param_shards=param_shards)
