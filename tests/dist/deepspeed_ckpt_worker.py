@@ -42,6 +42,8 @@ from shardtune.models.weights import make_source
 from shardtune.parallel.deepspeed import DeepSpeedBackend
 from shardtune.parallel.ds_config import deepspeed_config
 from shardtune.peft.lora import LoraSource, apply_lora
+from shardtune.train.loss import token_loss_sum
+from shardtune.train.optim import OptimizerFactory, build_scheduler
 
 STEPS, MICRO, SEQ = 2, 2, 16
 PEFT = PeftConfig(method="lora", r=4, alpha=8.0)
@@ -70,15 +72,22 @@ def make_variant(out: Path, variant: str, ctx) -> None:
     parallel = ParallelConfig(backend="deepspeed", strategy=strategy, offload=offload)
     train = TrainConfig(precision=precision, micro_batch_size=MICRO, grad_accum=1)
     ds = deepspeed_config(parallel, train, OptimConfig(), {}, ctx.world)
-    backend = DeepSpeedBackend(parallel, precision, ctx, ds)
+    backend = DeepSpeedBackend(parallel, precision, ctx, ds, token_loss_sum)
     lr = 1e-2 if kind == "lora" else 1e-3
-    backend.setup(model, decoder_blocks(model, hf.model_type), source, OptimConfig(warmup_steps=1), lr, 10)
+    optim = OptimConfig(warmup_steps=1)
+    backend.setup(model, decoder_blocks(model, hf.model_type), source, OptimizerFactory(optim, lr))
+    schedule = build_scheduler(backend.optimizer, optim, 10)
+
+    def step() -> None:  # what the training loop does after its micro-batches
+        backend.step()
+        if backend.step_applied:
+            schedule.step()
     g = torch.Generator().manual_seed(ctx.rank)
     norm = torch.tensor(float(MICRO * ctx.world * (SEQ - 1)))
     for _ in range(STEPS):
         x = torch.randint(4, 500, (MICRO, SEQ), generator=g)
         backend.forward_backward(Batch(input_ids=x, attention_mask=torch.ones_like(x), labels=x.clone()), norm)
-        backend.step()
+        step()
 
     root = out / variant / "checkpoints"
     tmp = root / f".step-{STEPS:08d}.tmp"
@@ -110,7 +119,7 @@ def make_variant(out: Path, variant: str, ctx) -> None:
     backend.train(True)
     x1 = torch.randint(4, 500, (MICRO, SEQ), generator=g)
     backend.forward_backward(Batch(input_ids=x1, attention_mask=torch.ones_like(x1), labels=x1.clone()), norm)
-    backend.step()
+    step()
     backend.train(False)
     with torch.no_grad():
         moved = backend.forward(Batch(input_ids=x, attention_mask=torch.ones_like(x), labels=x.clone()))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from shardtune.dist import DistContext
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import deepspeed, fsdp2
-from shardtune.parallel.base import Backend, BackendSpec
+from shardtune.parallel.base import Backend, BackendSpec, LossFn
 
 if TYPE_CHECKING:
     from shardtune.config import Config, ParallelConfig
@@ -24,8 +24,9 @@ BACKENDS: dict[str, BackendSpec] = {
 }
 
 
-def make_backend(cfg: Config, ctx: DistContext) -> Backend:
-    return BACKENDS[cfg.parallel.backend].make(cfg, ctx)
+def make_backend(cfg: Config, ctx: DistContext, loss: LossFn) -> Backend:
+    """The run's backend, computing `loss` (logits, labels) -> the sum of token losses."""
+    return BACKENDS[cfg.parallel.backend].make(cfg, ctx, loss)
 
 
 def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:

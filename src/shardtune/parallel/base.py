@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,21 +13,38 @@ from torch import nn
 from shardtune.errors import ShardtuneError
 
 if TYPE_CHECKING:
-    from shardtune.config import Config, OptimConfig, ParallelConfig
+    from shardtune.config import Config, ParallelConfig
     from shardtune.data import Batch
     from shardtune.dist import DistContext
     from shardtune.models.weights import WeightSource
 
 
-class Backend(Protocol):
-    """Takes a meta-device model and the optimizer settings; returns something the loop can drive.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # train.precision -> compute
 
-    setup:            apply activation checkpointing / compile, shard, load weights, build optimizer.
+# (logits, labels) -> the sum of token losses (train.loss.token_loss_sum), handed to a backend by the loop.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class OptimizerFactory(Protocol):
+    """Builds the run's optimizer over the parameters a backend holds (train.optim.OptimizerFactory)."""
+
+    def __call__(self, named_params: Iterable[tuple[str, nn.Parameter]], device: torch.device, *,
+                 sharded_fp16: bool = False, on_host: bool = False) -> torch.optim.Optimizer: ...
+
+
+class Backend(Protocol):
+    """Takes a meta-device model; returns something the loop can drive. Made by BackendSpec.make with the
+    loss it computes (LossFn).
+
+    setup:            apply activation checkpointing / compile, shard, load weights, build the optimizer with
+                      `make_optimizer`.
+    optimizer:        the optimizer whose param groups carry the LR: the loop's schedule sets it there.
     forward_backward: loss of one micro-batch divided by `normalizer` (target tokens of the whole
                       step on all ranks), backpropagated; returns the detached loss contribution.
-    step:             clip, optimizer and scheduler step, zero grads; returns the global grad norm.
+    step:             clip, optimizer step, zero grads; returns the global grad norm. step_applied: whether
+                      it updated the model (an fp16 overflow skips the update, and so the schedule's step).
     state_dict:       model + optimizer tensors for a DCP checkpoint (load_state_dict restores them);
-    extra_state:      the JSON-able rest (LR schedule, loss scaler).
+    extra_state:      the JSON-able rest the backend owns (the loss scaler's state).
     forward:          logits for evaluation (no grad).
     full_tensor:      collective: a parameter's whole tensor, however the backend shards it (for export).
     module:           the unwrapped model (for export).
@@ -36,20 +53,24 @@ class Backend(Protocol):
     """
 
     module: nn.Module
+    optimizer: torch.optim.Optimizer
 
-    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None, optim: OptimConfig,
-              lr: float, total_steps: int) -> None: ...
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
+              make_optimizer: OptimizerFactory) -> None: ...
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         ...
 
     def step(self) -> torch.Tensor: ...
 
+    @property
+    def step_applied(self) -> bool: ...
+
     def state_dict(self) -> dict[str, Any]: ...  # tensors for DCP: {"model": ..., "optim": ...}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def extra_state(self) -> dict[str, Any]: ...  # JSON-able: LR schedule, loss scaler
+    def extra_state(self) -> dict[str, Any]: ...  # JSON-able: {"scaler": ...}
 
     def load_extra_state(self, state: dict[str, Any]) -> None: ...
 
@@ -58,9 +79,6 @@ class Backend(Protocol):
     def forward(self, batch: Batch) -> torch.Tensor: ...
 
     def full_tensor(self, param: torch.Tensor) -> torch.Tensor: ...
-
-    @property
-    def lr(self) -> float: ...
 
 
 # Config keys a backend declares its support for (BackendSpec.supports), with where each value is read.
@@ -79,7 +97,7 @@ class BackendSpec:
 
     supports:  config key (SUPPORT_KEYS) -> the values this backend runs; the planner picks among them.
     refusals:  (key, value) -> the one-line message (with its fix) for each value it does not run.
-    make:      builds the backend for a run: (cfg, ctx) -> Backend.
+    make:      builds the backend for a run: (cfg, ctx, loss) -> Backend.
     check:     its other refusals: (cfg, world or None, device type or None); world = processes per node.
     describe:  (cfg, world) -> how it runs the strategy, as `shardtune plan` prints it.
     checkpoint_format: the on-disk format of its checkpoints (a name of checkpoint's formats).
@@ -89,7 +107,7 @@ class BackendSpec:
 
     supports: dict[str, tuple[str, ...]]
     refusals: dict[tuple[str, str], str]
-    make: Callable[[Config, DistContext], Backend]
+    make: Callable[[Config, DistContext, LossFn], Backend]
     check: Callable[[Config, int | None, str | None], None]
     describe: Callable[[Config, int], str]
     checkpoint_format: str

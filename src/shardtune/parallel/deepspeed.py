@@ -28,18 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardtune.config import Config, OptimConfig, ParallelConfig
+from shardtune.config import Config, ParallelConfig
 from shardtune.dist import DistContext
 from shardtune.errors import ShardtuneError
-from shardtune.models.attention import model_inputs
+from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.build import assert_no_meta, restore_buffers
 from shardtune.models.weights import WeightSource, load_weights, retie, shared_parameters
-from shardtune.parallel.base import BackendSpec
+from shardtune.parallel.base import DTYPES, BackendSpec, LossFn, OptimizerFactory
 from shardtune.parallel.ds_config import STAGES, deepspeed_config
-from shardtune.parallel.fsdp2 import DTYPES, _jsonable
 from shardtune.parallel.prepare import checkpoint_and_compile
-from shardtune.train.loss import token_loss_sum
-from shardtune.train.optim import build_optimizer, build_scheduler, param_groups
 
 if TYPE_CHECKING:
     from shardtune.data import Batch
@@ -50,8 +47,10 @@ TAG = "state"  # one DeepSpeed tag per shardtune checkpoint directory
 class DeepSpeedBackend:
     checkpoint_format = "deepspeed"
 
-    def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, ds_config: dict[str, Any]) -> None:
+    def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, ds_config: dict[str, Any],
+                 loss: LossFn) -> None:
         self.parallel, self.precision, self.ctx, self.ds_config = parallel, precision, ctx, ds_config
+        self.loss = loss
         self.stage = STAGES[parallel.strategy]
         self.compute_dtype = DTYPES[precision]
         self.module: nn.Module = nn.Module()
@@ -59,35 +58,24 @@ class DeepSpeedBackend:
         self.attn_implementation = "sdpa"
 
     # ---- set-up -------------------------------------------------------------------------
-    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None, optim: OptimConfig,
-              lr: float, total_steps: int) -> None:
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
+              make_optimizer: OptimizerFactory) -> None:
         import deepspeed
 
         _init_comm()
-        self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+        self.attn_implementation = attn_implementation(model)
         checkpoint_and_compile(model, blocks, self.parallel)  # compile: zero0-2 only (validate refuses zero3)
         if self.stage == 3:
             self._materialise_partitioned(model, blocks, weights)
         else:
             load_weights(model, weights, self.ctx.device)
         self.module = model
-        optimizer = self._client_optimizer(optim, lr)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                                 config=self.ds_config, dist_init_required=False)
-        # The schedule drives the client optimizer's param groups, which the ZeRO optimizer steps.
-        self.scheduler = build_scheduler(optimizer, optim, total_steps)
-
-    def _client_optimizer(self, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
-        offload = self.parallel.offload != "none"
-        if offload and self.ctx.device.type == "cuda":
-            # Offloaded states are stepped on the host: DeepSpeed's vectorised CPU Adam (built on first use).
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(param_groups(self.module.named_parameters(), optim.weight_decay),
-                                    lr=lr, betas=optim.betas, eps=optim.eps, adamw_mode=True)
-        # torch AdamW (fused on GPU); on a CPU-only machine also for offload, where states live on the host anyway.
-        device = torch.device("cpu") if offload else self.ctx.device
-        return build_optimizer(self.module.named_parameters(), optim, lr, device)
+        # The client optimizer: the loop's schedule drives its param groups, which the ZeRO optimizer steps.
+        # Offloaded states are stepped on the host.
+        self.optimizer = make_optimizer(model.named_parameters(), self.ctx.device,
+                                        on_host=self.parallel.offload != "none")
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config,
+                                                    dist_init_required=False)
 
     def _materialise_partitioned(self, model: nn.Module, blocks: list[nn.Module],
                                  weights: WeightSource | None) -> None:
@@ -134,7 +122,7 @@ class DeepSpeedBackend:
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         self.engine.set_gradient_accumulation_boundary(sync_grads)
-        loss = token_loss_sum(self.forward(batch), batch.labels) / normalizer
+        loss = self.loss(self.forward(batch), batch.labels) / normalizer
         # The engine averages gradients over ranks; the loss is already normalised by the step's
         # global token count (and is not divided by the accumulation steps: scale_wrt_gas=False).
         self.engine.backward(loss * self.ctx.world, scale_wrt_gas=False)
@@ -145,12 +133,14 @@ class DeepSpeedBackend:
     def step(self) -> torch.Tensor:
         self._grad_norm_before_step = self._replica_grad_norm() if self.stage == 0 else 0.0
         self.engine.step()  # at the boundary: reduce, unscale, clip, optimizer step, zero grads
-        if self.engine.was_step_applied():  # an fp16 overflow skips the update, and so the schedule
-            self.scheduler.step()
         norm = self.engine.get_global_grad_norm()
         if norm is None:  # stage 0 in fp32 clips without keeping the norm: the reduced grads are replicas
             norm = self._grad_norm_before_step
         return torch.as_tensor(norm, dtype=torch.float32).detach()
+
+    @property
+    def step_applied(self) -> bool:
+        return bool(self.engine.was_step_applied())  # an fp16 overflow skips the update
 
     def _replica_grad_norm(self) -> torch.Tensor | float:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -183,16 +173,12 @@ class DeepSpeedBackend:
         raise NotImplementedError("the deepspeed backend reads DeepSpeed checkpoints (load_native)")
 
     def extra_state(self) -> dict[str, Any]:
-        return _jsonable({"scheduler": self.scheduler.state_dict(), "scaler": None})
+        return {"scaler": None}  # the engine keeps its loss scaler in its own files
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        pass
 
     # ---- the rest of the seam --------------------------------------------------------------
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
@@ -356,9 +342,9 @@ def param_shards(parallel: ParallelConfig, world: int) -> int:
     return world if STAGES[parallel.strategy] == 3 else 1
 
 
-def _make(cfg: Config, ctx: DistContext) -> DeepSpeedBackend:
+def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> DeepSpeedBackend:
     ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, ctx.world)
-    return DeepSpeedBackend(cfg.parallel, cfg.train.precision, ctx, ds)
+    return DeepSpeedBackend(cfg.parallel, cfg.train.precision, ctx, ds, loss)
 
 
 SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,

@@ -26,6 +26,7 @@ from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
 from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
+from shardtune.fileio import jsonable
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
 from shardtune.metrics.logger import MetricsLogger, log_rank0
 from shardtune.models.build import load_hf_config
@@ -35,6 +36,7 @@ from shardtune.parallel.base import Backend
 from shardtune.peft.lora import save_adapter
 from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
+from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Run:
     sampler: StepSampler
     built: BuiltModel
     backend: Backend
+    schedule: torch.optim.lr_scheduler.LRScheduler  # the LR of backend.optimizer, stepped with every update
     ckpt: Checkpointer
     logger: MetricsLogger
     total_steps: int
@@ -119,21 +122,23 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     spec = BACKENDS[cfg.parallel.backend]
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
                      spec.param_shards(cfg.parallel, ctx.world))
-    backend = make_backend(cfg, ctx)
+    backend = make_backend(cfg, ctx, token_loss_sum)
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
     # are not read. With adapters the checkpoint holds only them: the base is read again.
     weights = None if resume and not built.adapters else built.source
-    backend.setup(built.model, built.blocks, weights, cfg.optim, t.lr, total_steps)
+    backend.setup(built.model, built.blocks, weights, OptimizerFactory(cfg.optim, t.lr))
+    schedule = build_scheduler(backend.optimizer, cfg.optim, total_steps)
     dtype = SAVE_DTYPES[save_dtype(cfg)]
     ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(path, built, hf_config, tokenizer, dtype),
                         checkpoint_format(backend))
     if resume:
         saved = ckpt.load(resume, backend)
+        schedule.load_state_dict(saved["extra"]["scheduler"])
         backend.load_extra_state(saved["extra"])
         sampler.load_state_dict(saved["sampler"])
     logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl,
                            resume_step=sampler.position)
-    run = Run(cfg, ctx, out, hf_config, tokenizer, data, sampler, built, backend, ckpt, logger, total_steps,
+    run = Run(cfg, ctx, out, hf_config, tokenizer, data, sampler, built, backend, schedule, ckpt, logger, total_steps,
               min(total_steps, t.stop_after_step or total_steps), resume, RunState(step=sampler.position),
               _flops_per_token(built, hf_config, t.seq_len),
               peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None)
@@ -166,18 +171,19 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     backend, ctx, state = run.backend, run.ctx, run.state
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
     normalizer = global_target_tokens(micro, ctx.device)
-    lr = backend.lr
+    lr = current_lr(backend.optimizer)
     step_loss = torch.zeros((), device=ctx.device)
     for k, batch in enumerate(micro):
         step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
                                               sync_grads=k == len(micro) - 1)
     interval.checkpoint_s += run.ckpt.before_update()  # an async save's copy must finish before the update
     grad_norm = backend.step()
+    if backend.step_applied:
+        run.schedule.step()
     interval.add(step_loss, sum(b.num_tokens for b in micro))
     state.step = run.sampler.position = step + 1
     if run.ckpt.due(state.step, last=state.step == run.stop):
-        interval.checkpoint_s += run.ckpt.save(state.step, backend, trainer_state(
-            state.step, run.sampler, backend, run.cfg, ctx, run.total_steps))
+        interval.checkpoint_s += run.ckpt.save(state.step, backend, trainer_state(run))
     if state.step % run.cfg.log.every == 0 or state.step == run.stop:
         record = interval.flush(state.step, lr, grad_norm, run.flops_per_token, run.peak_flops, ctx)
         record["epoch"] = step // run.sampler.steps_per_epoch
@@ -225,11 +231,12 @@ def _done_line(run: Run, seconds: float) -> str:
     return f"done: {total} steps in {seconds:.1f}s{where}"
 
 
-def trainer_state(step: int, sampler: StepSampler, backend: Backend, cfg: Config, ctx: DistContext,
-                  total_steps: int) -> dict[str, Any]:
+def trainer_state(run: Run) -> dict[str, Any]:
     """The JSON part of a checkpoint: where the run is and how it was set up."""
-    return {"step": step, "total_steps": total_steps, "sampler": sampler.state_dict(),
-            "extra": backend.extra_state(), "world_size": ctx.world, "global_batch": sampler.global_batch,
+    cfg, sampler = run.cfg, run.sampler
+    extra = {"scheduler": jsonable(run.schedule.state_dict()), **run.backend.extra_state()}
+    return {"step": run.state.step, "total_steps": run.total_steps, "sampler": sampler.state_dict(),
+            "extra": extra, "world_size": run.ctx.world, "global_batch": sampler.global_batch,
             "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
             "strategy": cfg.parallel.strategy, "config": cfg.model_dump(mode="json", by_alias=True)}
 

@@ -1,0 +1,18 @@
+"""Small file helpers every package may use: JSON-able values (more join in part 4 of issue 15)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def jsonable(obj: Any) -> Any:
+    """Scalars held as tensors (a tensor learning rate, as torchao's AdamW8bit keeps) -> Python numbers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
