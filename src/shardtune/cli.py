@@ -46,19 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
     t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
                    help="continue from a checkpoint (auto = the newest complete one in the run directory)")
+    _hardware_flags(t)
+    t.add_argument("--force", action="store_true", help="run even when the planner predicts it will not fit")
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("validate", help="check a config, its model and data without training")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
-    v.add_argument("--nproc", type=_nproc, default=None)
+    v.add_argument("--nproc", type=_nproc, default=None, help="processes (GPUs) on this node (int or auto)")
+    v.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    _hardware_flags(v)
+    v.add_argument("--force", action="store_true", help="do not refuse a config the planner predicts will not fit")
     v.set_defaults(func=cmd_validate)
 
-    pl = sub.add_parser("plan", help="how a config will be sharded; --emit a DeepSpeed (HF Trainer) or "
-                                     "accelerate config")
-    pl.add_argument("config")
+    pl = sub.add_parser("plan", help="predict per-GPU memory and tokens/s for every way to run a config, and pick "
+                                     "the fastest that fits; --emit a DeepSpeed (HF Trainer) or accelerate config")
+    pl.add_argument("config", nargs="?", help="YAML config file (not needed with --check)")
     pl.add_argument("overrides", nargs="*")
-    pl.add_argument("--nproc", type=_nproc, default=None, help="processes on this node (int or auto)")
+    pl.add_argument("--nproc", type=_nproc, default=None, help="processes (GPUs) per node (int or auto)")
+    pl.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    _hardware_flags(pl)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON (candidates, pick)")
+    pl.add_argument("--all", action="store_true", help="list the candidates that do not fit too, and try every "
+                                                       "micro-batch size")
+    pl.add_argument("--check", default=None, metavar="RUN_DIR",
+                    help="compare a finished run's measured peak memory and tokens/s with its plan.json")
     pl.add_argument("--emit", default=None, metavar="deepspeed|accelerate",
                     help="print a DeepSpeed JSON for transformers.TrainingArguments(deepspeed=...), or an "
                          "`accelerate launch --config_file` YAML, to stdout (hints go to stderr)")
@@ -84,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _hardware_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", default=None, metavar="TYPE", help="plan for this GPU type (h200, h100, a100-80gb, ...) "
+                                                               "instead of the local one")
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GiB (with --gpu)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="ceilings measured by `shardtune calibrate` (default: ~/.cache/shardtune/calibration.json)")
+
+
+def hardware_from(args: argparse.Namespace) -> Any:
+    from shardtune.plan import resolve_hardware
+
+    return resolve_hardware(getattr(args, "gpu", None), getattr(args, "gpu_memory", None),
+                            getattr(args, "calibration", None))
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
     extra = list(args.overrides)
     resume = getattr(args, "resume", None)
@@ -102,11 +129,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if under_torchrun():
         return _worker(args.config, _overrides(args))
+    from shardtune.config import load_config
+    from shardtune.plan import auto_keys, auto_overrides
     from shardtune.validate import validate
 
-    cfg = validate(args.config, _overrides(args), nproc_flag=args.nproc, nnodes=args.nnodes, quiet=True)
+    auto = auto_keys(load_config(args.config, _overrides(args)))
+    cfg = validate(args.config, _overrides(args), nproc_flag=args.nproc, quiet=True, nnodes=args.nnodes,
+                   hardware=hardware_from(args), force=args.force)
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
-    worker_args = ["train", args.config, *_overrides(args)]
+    # The launcher's plan fixed what the config left to auto: the workers get it as overrides.
+    worker_args = ["train", args.config, *_overrides(args), *auto_overrides(cfg, auto)]
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
 
@@ -140,7 +172,8 @@ def _worker(config: str, overrides: list[str]) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from shardtune.validate import validate
 
-    validate(args.config, list(args.overrides), nproc_flag=args.nproc)
+    validate(args.config, list(args.overrides), nproc_flag=args.nproc, nnodes=args.nnodes,
+             hardware=hardware_from(args), force=args.force)
     return 0
 
 
@@ -148,26 +181,79 @@ EMITS = ("deepspeed", "accelerate")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """`shardtune plan`: the resolved strategy (config and model checks only; no data, no processes)."""
+    """`shardtune plan`: the resolved strategy, and the planner's memory and time for every way to run the config
+    (config and model checks only; no data, no processes, no GPU needed)."""
     from shardtune.config import load_config
     from shardtune.launch import resolve_nproc
     from shardtune.models.build import load_hf_config
-    from shardtune.validate import check_combination
 
+    if args.check is not None:
+        from shardtune.plan.report import check_run
+
+        print("\n".join(check_run(args.check)))
+        return 0
+    if args.config is None:
+        raise ShardtuneError("plan: give a config file (shardtune plan CONFIG), or --check RUN_DIR")
     if args.emit is not None and args.emit not in EMITS:
         raise ShardtuneError(f"--emit {args.emit!r}: choose one of {', '.join(EMITS)}")
+    if args.nnodes < 1:
+        raise ShardtuneError(f"--nnodes {args.nnodes}: expected a positive integer")
     cfg = load_config(args.config, list(args.overrides))
     hf_config = load_hf_config(cfg.model)
     world = resolve_nproc(args.nproc, cfg.parallel.nproc)
-    check_combination(cfg, world)
-    if args.emit == "deepspeed":
-        _emit_deepspeed(cfg, world)
-    elif args.emit == "accelerate":
-        _emit_accelerate(cfg, hf_config, world)
-    else:
-        for key, value in plan_summary(cfg, hf_config, world):
-            print(f"{key:<10} {value}")
+    if args.emit is not None or cfg.parallel.strategy != "auto":
+        from shardtune.validate import check_combination
+
+        check_combination(_concrete(cfg), world)
+    if args.emit is not None:
+        if cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto":
+            raise ShardtuneError(f"--emit {args.emit}: the config leaves parallel.strategy or train.micro_batch_size "
+                                 "to auto; set them (shardtune plan CONFIG shows the pick)")
+        if args.emit == "deepspeed":
+            _emit_deepspeed(cfg, world)
+        else:
+            _emit_accelerate(cfg, hf_config, world)
+        return 0
+    plan = _plan(cfg, hf_config, args, world)
+    if args.json:
+        import json
+
+        print(json.dumps(plan.to_json(all_candidates=True), indent=2))
+        return 0
+    from shardtune.plan.report import summary_lines, table
+
+    chosen = _concrete(cfg, plan)
+    for key, value in plan_summary(chosen, hf_config, world):
+        print(f"{key:<10} {value}")
+    for line in [*summary_lines(plan), "", *table(plan, show_all=args.all)]:
+        print(line)
     return 0
+
+
+def _plan(cfg: Any, hf_config: Any, args: argparse.Namespace, world: int) -> Any:
+    from shardtune.plan import make_plan
+
+    hw = hardware_from(args)
+    if hw is None:
+        from shardtune.plan.hardware import lookup
+
+        print("note: no GPU here and none named: planning for h100 (name one with --gpu)", file=sys.stderr)
+        hw = lookup("h100")
+    return make_plan(cfg, hf_config, hw, world=world * args.nnodes, per_node=world, all_micro_batches=args.all)
+
+
+def _concrete(cfg: Any, plan: Any = None) -> Any:
+    """The config with auto strategy / micro-batch taken from the plan's pick (or placeholders)."""
+    from shardtune.plan import auto_keys, config_for_auto
+
+    auto = auto_keys(cfg)
+    if not auto:
+        return cfg
+    if plan is not None and plan.pick is not None:
+        return config_for_auto(cfg, plan.chosen().setting, auto)
+    from shardtune.plan.setting import setting_from_config
+
+    return config_for_auto(cfg, setting_from_config(cfg, 1, 1), auto)
 
 
 def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:

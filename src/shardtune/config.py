@@ -11,7 +11,7 @@ import difflib
 import re
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -113,9 +113,9 @@ class DataConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    strategy: Literal["ddp", "zero1", "zero2", "zero3", "hsdp"] = Field(
+    strategy: Literal["ddp", "zero1", "zero2", "zero3", "hsdp", "auto"] = Field(
         "zero3", description="ddp (replicas), zero1/zero2/zero3 (ZeRO stages), hsdp (zero3 inside groups of "
-                             "shard_size processes, replicated across groups).")
+                             "shard_size processes, replicated across groups), auto (the planner's pick).")
     shard_size: int | Literal["auto"] = Field("auto", description="hsdp: processes that share one copy of the "
                                                                   "sharded model; auto = processes per node.")
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="The engine behind the strategy: PyTorch "
@@ -156,7 +156,8 @@ class TrainConfig(_Section):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     epochs: int = Field(1, ge=1)
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per process per forward pass.")
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="Sequences per process per forward pass; auto = the planner's pick.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seq_len: int = Field(2048, ge=8, description="Tokens per sequence (padded or truncated to this).")
     seed: int = 42
@@ -359,7 +360,9 @@ def _key(loc: tuple[Any, ...]) -> str:
 def _one_line(err: ValidationError) -> str:
     """The first error of a pydantic ValidationError as one actionable line."""
     e = err.errors()[0]
-    loc = tuple(e["loc"])
+    # A union field (`int | "auto"`) reports each branch as an extra location part: keep the key alone.
+    loc = tuple(part for part in e["loc"] if not (isinstance(part, str) and
+                                                   (part.startswith(("constrained-", "literal[")) or part == "int")))
     key = _key(loc)
     value = e.get("input")
     kind = e["type"]

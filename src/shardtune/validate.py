@@ -9,11 +9,13 @@ from shardtune.config import Config, load_config
 from shardtune.errors import ShardtuneError
 
 
-def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, nnodes: int = 1,
-             quiet: bool = False) -> Config:
+def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False,
+             nnodes: int = 1, hardware: Any = None, force: bool = False) -> Config:
     """Check config, model, tokenizer and data (tokenised into the cache, so the workers that follow
     find it there), that one global batch fits the data, and that a checkpoint to resume from suits the
     run (`nnodes` nodes of the processes `nproc_flag` gives). With quiet=False print a report.
+    With `hardware` (the local GPU, or one named with --gpu) the planner refuses a run predicted not to fit
+    (unless `force`); `auto` strategy / micro-batch are replaced by its pick. Returns the resolved config.
     Raises ShardtuneError (exit code 2) on the first problem."""
     from shardtune.dist import device_type
     from shardtune.launch import resolve_nproc
@@ -32,10 +34,27 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         if path is not None and not Path(path).exists():
             raise ShardtuneError(f"{key}: {path!r} does not exist; give a data file or folder")
     world = resolve_nproc(nproc_flag, cfg.parallel.nproc)
+    if nnodes < 1:
+        raise ShardtuneError(f"--nnodes {nnodes}: expected a positive integer")
+    plan = None
+    from shardtune.plan import auto_keys
+
+    if hardware is not None or auto_keys(cfg):
+        from shardtune.plan import resolve_auto
+
+        cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world, device=device_type())
     tokenizer = load_tokenizer(cfg.model.path)
     check_vocab(tokenizer, hf_config)
     check_resume(cfg, world * nnodes)
+    if quiet and plan is not None:
+        from shardtune.plan import describe
+
+        c = plan.chosen()
+        auto = f" ({', '.join(plan.auto)}: auto)" if plan.auto else ""
+        print(f"plan: {describe(c.setting)}{auto}: {c.memory.total / 2**30:.1f} GiB per GPU of "
+              f"{plan.hardware.memory_bytes / 2**30:.1f} ({plan.hardware.name}), {c.time.tokens_per_sec_per_gpu:,.0f} "
+              "tokens/s per GPU predicted", flush=True)
     if quiet:
         from shardtune.data import StepSampler
         from shardtune.data.pipeline import build_data
@@ -44,19 +63,15 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=True)
         StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world, 0, t.seed)
         return cfg
-    _report(cfg, hf_config, tokenizer, world)
+    _report(cfg, hf_config, tokenizer, world, plan)
     return cfg
 
 
 def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None) -> None:
-    """Settings that cannot work together, refused before any process starts: the backend's refusals
-    (parallel.check) and what the PEFT / optimizer settings need. With `world` (processes per node), also the
-    DeepSpeed config the deepspeed backend would build (conflicts with the `deepspeed:` section); with
-    `device` ("cuda" or "cpu"), what the machine cannot run."""
-    from shardtune import parallel, peft
+    """Settings that cannot work together (parallel.check_combination), refused before any process starts."""
+    from shardtune.parallel import check_combination as check
 
-    parallel.check(cfg, world, device)
-    peft.check(cfg.peft, cfg.optim, cfg.train.precision)
+    check(cfg, world, device=device)
 
 
 def check_worker(cfg: Config, world: int) -> None:
@@ -64,8 +79,10 @@ def check_worker(cfg: Config, world: int) -> None:
     directly (`torchrun -m shardtune train ...`) had no launcher to run `validate` first. `world`: all
     processes."""
     from shardtune.dist import device_type
+    from shardtune.plan import auto_keys
 
-    check_combination(cfg, device=device_type())
+    if not auto_keys(cfg):  # else the loop's planner resolves `auto`, and it picks only combinations that run
+        check_combination(cfg, device=device_type())
     check_resume(cfg, world)
 
 
@@ -81,7 +98,7 @@ def check_resume(cfg: Config, world: int) -> None:
         check_resumable(path, cfg.parallel.backend, world)
 
 
-def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:
+def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -117,6 +134,11 @@ def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int) -> None:
         ("steps", f"{steps} ({sampler.steps_per_epoch} per epoch)"),
         ("output", t.output_dir),
     ]
+    if plan is not None:
+        c = plan.chosen()
+        rows.insert(2, ("plan", f"{c.memory.total / 2**30:.1f} GiB per GPU of {plan.hardware.memory_bytes / 2**30:.1f} "
+                                f"({plan.hardware.name}), {c.time.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU "
+                                "predicted (shardtune plan shows every option)"))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-# Dense bf16/fp16 tensor-core peak per device, FLOP/s (vendor datasheets, no sparsity).
+# Dense bf16/fp16 tensor-core peak per device, FLOP/s (vendor datasheets, no sparsity). The planner's
+# per-GPU-type table (plan/hardware.py) takes its bf16 peaks from here: one table of peaks.
 PEAK_FLOPS: dict[str, float] = {
     "H200": 989e12,
+    "H100 PCIE": 756e12,  # H100 PCIe datasheet: 1,513 TFLOP/s bf16 with sparsity, half that dense
     "H100": 989e12,
     "H800": 989e12,
     "GH200": 989e12,

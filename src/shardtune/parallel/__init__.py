@@ -29,6 +29,17 @@ def make_backend(cfg: Config, ctx: DistContext, loss: LossFn) -> Backend:
     return BACKENDS[cfg.parallel.backend].make(cfg, ctx, loss)
 
 
+def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None) -> None:
+    """Settings that cannot work together, refused before any process starts: the backend's refusals (check)
+    and what the PEFT / optimizer settings need (peft.check). With `world` (processes per node), also the
+    DeepSpeed config the deepspeed backend would build (conflicts with the `deepspeed:` section); with
+    `device` ("cuda" or "cpu"), what the machine cannot run."""
+    from shardtune import peft
+
+    check(cfg, world, device)
+    peft.check(cfg.peft, cfg.optim, cfg.train.precision)
+
+
 def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
     """Refuse, in one line with its fix, what the chosen backend cannot run: first the settings it does not
     support, then the strategy and offload settings that contradict each other on any backend, then the

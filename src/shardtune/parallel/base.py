@@ -118,4 +118,5 @@ class BackendSpec:
         for key, allowed in self.supports.items():
             value = SUPPORT_KEYS[key](cfg)
             if value not in allowed:
-                raise ShardtuneError(self.refusals[(key, value)])
+                raise ShardtuneError(self.refusals.get((key, value), f"{key}: {value} is not a setting this backend "
+                                                                      "runs; choose one of " + ", ".join(allowed)))

@@ -4,6 +4,7 @@ model source and data are the pieces plugged in."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class Run:
     logger: MetricsLogger
     total_steps: int
     stop: int  # the step this launch ends at (train.stop_after_step, else total_steps)
+    predicted: dict[str, Any] | None  # the planner's prediction (plan.json), compared with the run at the end
     resume: Path | None
     state: RunState
     flops_per_token: float
@@ -105,6 +107,8 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
     root = checkpoint_root(cfg.checkpoint, out)
+    hf_config = load_hf_config(cfg.model)
+    cfg = resolve_plan_auto(cfg, hf_config, ctx)
     resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
     if resume:
         cfg = keep_global_batch(cfg, read_trainer_state(resume), ctx)
@@ -112,7 +116,6 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
     tokenizer = load_tokenizer(cfg.model.path)
-    hf_config = load_hf_config(cfg.model)
     check_vocab(tokenizer, hf_config)
     t = cfg.train
     data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=ctx.local_rank == 0)
@@ -138,12 +141,48 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
         sampler.load_state_dict(saved["sampler"])
     logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl,
                            resume_step=sampler.position)
-    run = Run(cfg, ctx, out, hf_config, tokenizer, data, sampler, built, backend, schedule, ckpt, logger, total_steps,
-              min(total_steps, t.stop_after_step or total_steps), resume, RunState(step=sampler.position),
-              _flops_per_token(built, hf_config, t.seq_len),
-              peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None)
+    peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
+    run = Run(cfg, ctx, out, hf_config, tokenizer, data, sampler, built, backend, schedule, ckpt, logger,
+              total_steps=total_steps, stop=min(total_steps, t.stop_after_step or total_steps),
+              predicted=write_prediction(cfg, hf_config, ctx, out), resume=resume,
+              state=RunState(step=sampler.position), flops_per_token=_flops_per_token(built, hf_config, t.seq_len),
+              peak_flops=peak)
     _print_start(run)
     return run
+
+
+def resolve_plan_auto(cfg: Config, hf_config: Any, ctx: DistContext) -> Config:
+    """Workers started by torchrun directly (not through `shardtune train`, which resolves it first) plan
+    `auto` strategy / micro-batch themselves: the same pure function on every rank gives the same answer."""
+    from shardtune.plan import auto_keys
+
+    if not auto_keys(cfg):
+        return cfg
+    from shardtune.plan import resolve_auto
+    from shardtune.plan.hardware import detect
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world))
+    resolved, plan = resolve_auto(cfg, hf_config, detect(), world=ctx.world, per_node=local, force=True)
+    log_rank0(ctx.rank, f"planner: {plan.reason()}")
+    return resolved
+
+
+def write_prediction(cfg: Config, hf_config: Any, ctx: DistContext, out: Path) -> dict[str, Any] | None:
+    """OUTPUT_DIR/plan.json: the planner's prediction for this run, so every run is a calibration point
+    (`shardtune plan --check OUTPUT_DIR`). On a CPU the 'device' is the host's share per process."""
+    from shardtune.plan import cpu_hardware, run_record
+    from shardtune.plan.hardware import detect
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world))
+    try:
+        hw = detect() if ctx.device.type == "cuda" else None
+        record = run_record(cfg, hf_config, hw or cpu_hardware(local), world=ctx.world, per_node=local)
+    except Exception as err:  # a model the planner cannot read must not stop training
+        log_rank0(ctx.rank, f"planner: no prediction for this run ({type(err).__name__}: {err})")
+        return None
+    if ctx.is_main:
+        (out / "plan.json").write_text(json.dumps(record, indent=2))
+    return record
 
 
 def _flops_per_token(built: BuiltModel, hf_config: Any, seq_len: int) -> float:
@@ -204,6 +243,10 @@ def finish(run: Run, finished: bool, train_seconds: float) -> TrainResult:
                       dtype=SAVE_DTYPES[save_dtype(cfg)], max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size),
                       rank=ctx.rank, gather=run.backend.full_tensor)
     summary = _summary(run, train_seconds)
+    if run.predicted is not None:
+        from shardtune.plan import compare
+
+        summary["plan"] = compare(run.predicted, run.state.history)
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.logger.print(_done_line(run, train_seconds))

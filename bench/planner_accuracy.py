@@ -1,0 +1,183 @@
+"""Planner accuracy: predicted vs measured peak memory and tokens/s through the real CLI, one GPU.
+
+    python3 bench/planner_accuracy.py --matrix a --out $OUT      (device; .whl installed on PYTHONPATH)
+    python3 bench/planner_accuracy.py --matrix tiny --out /tmp/pa (CPU plumbing check)
+
+Each row runs `python3 -m shardtune train bench/bench.yaml ...` (random-init shape, long random text so every
+row is full, log every 2 steps, --force so a run the planner refuses is still measured), then reads the run's
+plan.json (the planner's prediction, written by the run itself) and metrics.jsonl: measured peak allocated /
+reserved = max over records, tokens/s per GPU = median of the records after step WARMUP. The host memory of a
+run is the largest sum of VmRSS over its processes, sampled every 0.5 s. Writes results.jsonl and table.md to
+--out and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_B = ["model.preset=llama-3.2-1b"]
+EIGHT_B = ["model.preset=llama-3-8b"]
+# name -> (scenario, overrides). A scenario groups rows that are alternatives for the same job (the pick test).
+MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
+    "a": [
+        ("1b-zero2-mb4", "1b-s2048", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=4"]),
+        ("1b-zero3-mb4", "1b-s2048", [*ONE_B, "parallel.strategy=zero3", "train.micro_batch_size=4"]),
+        ("1b-ddp-mb4", "1b-s2048", [*ONE_B, "parallel.strategy=ddp", "train.micro_batch_size=4"]),
+        ("1b-zero2-mb4-ac", "1b-s2048", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=4",
+                                          "parallel.activation_checkpointing=full"]),
+        ("1b-zero2-mb8-ac", "1b-s2048-mb8", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=8",
+                                              "parallel.activation_checkpointing=full"]),
+        ("1b-zero3-mb2-s4096", "1b-s4096", [*ONE_B, "parallel.strategy=zero3", "train.micro_batch_size=2",
+                                             "train.seq_len=4096"]),
+        ("1b-zero2-mb4-8bit", "1b-8bit", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=4",
+                                           "optim.name=adamw8bit"]),
+        ("1b-zero2-mb4-compile", "1b-compile", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=4",
+                                                 "parallel.compile=true"]),
+        ("1b-zero3-mb8-compile-ac", "1b-compile-mb8", [*ONE_B, "parallel.strategy=zero3", "train.micro_batch_size=8",
+                                                        "parallel.compile=true", "parallel.activation_checkpointing=full"]),
+    ],
+    "b": [
+        ("8b-lora-mb2-ac", "8b-lora", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
+                                       "train.micro_batch_size=2", "parallel.activation_checkpointing=full"]),
+        ("8b-lora-mb4-ac", "8b-lora-mb4", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
+                                           "train.micro_batch_size=4", "parallel.activation_checkpointing=full"]),
+        ("8b-qlora-mb2-ac", "8b-qlora", [*EIGHT_B, "peft.method=qlora", "parallel.strategy=zero3",
+                                         "train.micro_batch_size=2", "parallel.activation_checkpointing=full"]),
+        ("1b-ds-zero2-mb4", "1b-s2048", [*ONE_B, "parallel.backend=deepspeed", "parallel.strategy=zero2",
+                                         "train.micro_batch_size=4"]),
+        ("1b-ds-zero3-oo-mb4", "1b-offload", [*ONE_B, "parallel.backend=deepspeed", "parallel.strategy=zero3",
+                                              "parallel.offload=optimizer", "train.micro_batch_size=4"]),
+    ],
+    "tiny": [
+        ("tiny-zero2", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero2", "train.micro_batch_size=2",
+                                "train.seq_len=256"]),
+        ("tiny-zero3-ac", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero3", "train.micro_batch_size=2",
+                                   "train.seq_len=256", "parallel.activation_checkpointing=full"]),
+    ],
+}
+
+
+def host_rss_sampler(pgid: int, stop: threading.Event, peak: list[float]) -> None:
+    """Largest sum of VmRSS (bytes) over the processes of one process group."""
+    while not stop.is_set():
+        total = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if os.getpgid(int(pid)) != pgid:
+                    continue
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except (OSError, ProcessLookupError, ValueError):
+                continue
+        peak[0] = max(peak[0], total)
+        stop.wait(0.5)
+
+
+def run_one(name: str, overrides: list[str], args: argparse.Namespace, data: Path, log) -> dict:
+    out = Path(args.work) / name
+    cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench/bench.yaml"), f"data.train_file={data}",
+           f"train.max_steps={args.steps}", "log.every=2", "--output-dir", str(out), "--force", *overrides]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stop, peak = threading.Event(), [0.0]
+    sampler = threading.Thread(target=host_rss_sampler, args=(proc.pid, stop, peak), daemon=True)
+    sampler.start()
+    try:
+        text, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+    stop.set()
+    log.write(f"===== {name}: {' '.join(cmd)}\n{text[-6000:]}\n")
+    row = {"name": name, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1),
+           "host_rss_gib": round(peak[0] / 2**30, 2)}
+    try:
+        plan = json.loads((out / "plan.json").read_text())["chosen"]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError, KeyError):
+        return row
+    train = [r for r in records if not r.get("eval") and "tokens_per_sec_per_device" in r]
+    steady = [r["tokens_per_sec_per_device"] for r in train if r["step"] - 2 >= args.warmup] or \
+        [r["tokens_per_sec_per_device"] for r in train]
+    row.update(pred_alloc=plan["memory_gib"]["allocated"], pred_reserved=plan["memory_gib"]["reserved"],
+               pred_total=plan["memory_gib"]["total"], pred_tps=plan["tokens_per_sec_per_gpu"],
+               pred_host=plan["host_memory_gib"], terms=plan["memory_gib"], time_terms=plan["time_terms_s"])
+    if train:
+        row.update(meas_alloc=max(r["peak_mem_gib"] for r in train),
+                   meas_reserved=max(r["peak_reserved_gib"] for r in train),
+                   meas_tps=statistics.median(steady), tps_min=min(steady), tps_max=max(steady), n=len(steady),
+                   steps=train[-1]["step"])
+    return row
+
+
+def err(p: float | None, m: float | None) -> str:
+    return f"{(p - m) / m:+.1%}" if p is not None and m else "-"
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| run | pred alloc GiB | meas alloc GiB | err | pred reserved | meas reserved | err | pred tok/s | "
+             "meas tok/s (min-max, n) | err | host GiB pred/meas |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r.get('pred_alloc', '-')} | {r.get('meas_alloc', 0):.1f} | "
+            f"{err(r.get('pred_alloc'), r.get('meas_alloc'))} | {r.get('pred_reserved', '-')} | "
+            f"{r.get('meas_reserved', 0):.1f} | {err(r.get('pred_reserved'), r.get('meas_reserved'))} | "
+            f"{r.get('pred_tps', 0):,.0f} | {r.get('meas_tps', 0):,.0f} ({r.get('tps_min', 0):,.0f}-"
+            f"{r.get('tps_max', 0):,.0f}, {r.get('n', 0)}) | {err(r.get('pred_tps'), r.get('meas_tps'))} | "
+            f"{r.get('pred_host', '-')}/{r['host_rss_gib']} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--matrix", default="a", help="a, b, tiny, or a comma list of row names from any matrix")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/planner_accuracy"))
+    ap.add_argument("--work", default="/tmp/planner_runs")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--budget", type=int, default=540, help="seconds for all runs; later rows are skipped")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    every = {n: (n, s, o) for rows in MATRICES.values() for n, s, o in rows}
+    rows = MATRICES.get(args.matrix) or [every[n] for n in args.matrix.split(",")]
+    data = Path(args.work) / "long.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    if not data.exists():
+        subprocess.run([sys.executable, str(ROOT / "bench/make_long_text.py"), str(data), "--n", "400", "--chars",
+                        "4300", "--min-tokens", "4097"], check=True)
+    start, results = time.time(), []
+    with open(out / "logs.txt", "a") as log, open(out / "results.jsonl", "a") as res:
+        for name, scenario, overrides in rows:
+            left = args.budget - (time.time() - start)
+            if left < 40:
+                print(f"skip {name}: budget", flush=True)
+                continue
+            args.timeout = min(args.timeout, int(left))
+            row = {"scenario": scenario, **run_one(name, overrides, args, data, log)}
+            results.append(row)
+            res.write(json.dumps(row) + "\n")
+            res.flush()
+            print(json.dumps({k: v for k, v in row.items() if k not in ("terms", "time_terms")}), flush=True)
+    lines = table(results)
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The planner: per-GPU memory and step time for every way to run a config, the fastest that fits, and
+the refusal of what cannot fit, before any process starts. A pure function of (model config, run config,
+hardware); it reads config.json only (the model is built on the meta device) and needs no GPU.
+
+    shape = model_shape(hf_config)            plan/shape.py     parameters by role, widths
+    gpu_memory(shape, setting)                plan/memory.py    bytes per term, peak phase, host memory
+    step_time(shape, setting, hardware)       plan/speed.py     FLOPs, collective bytes, offload
+    search(shape, setting, hardware)          plan/search.py    every candidate, the pick
+    Hardware                                  plan/hardware.py  ceilings per GPU type, `shardtune calibrate`
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import ShardtuneError
+from shardtune.plan.memory import GIB
+from shardtune.plan.search import (
+    MICRO_BATCHES,
+    SAFETY_MARGIN,
+    Candidate,
+    Search,
+    search,
+    smallest_fixes,
+)
+from shardtune.plan.setting import Setting, setting_from_config
+from shardtune.plan.shape import ModelShape, model_shape
+
+__all__ = ["ModelShape", "Plan", "Setting", "make_plan", "refusal", "resolve_auto", "resolve_hardware"]
+
+
+@dataclass
+class Plan:
+    hardware: Any
+    shape: ModelShape
+    result: Search
+    auto: tuple[str, ...]  # the config keys left to the planner
+
+    @property
+    def pick(self) -> Candidate | None:
+        return self.result.pick
+
+    @property
+    def configured(self) -> Candidate:
+        return self.result.configured
+
+    def chosen(self) -> Candidate:
+        """The run that will happen: the pick for what the config leaves to `auto`, the config elsewhere."""
+        if not self.auto or self.pick is None:
+            return self.configured
+        return self.pick
+
+    def reason(self) -> str:
+        pick = self.pick
+        if pick is None:
+            return "nothing fits"
+        return (f"fastest that fits: {describe(pick.setting)}, {pick.time.tokens_per_sec_per_gpu:,.0f} tokens/s per "
+                f"GPU predicted, {pick.memory.total / GIB:.1f} of {self.hardware.memory_bytes / GIB:.1f} GiB")
+
+    def to_json(self, all_candidates: bool = True) -> dict[str, Any]:
+        cands = self.result.candidates if all_candidates else [c for c in self.result.candidates if c.usable]
+        hw = self.hardware
+        return {
+            "hardware": {"name": hw.name, "memory_gib": round(hw.memory_bytes / GIB, 2),
+                         "safety_margin": SAFETY_MARGIN},
+            "model": {"model_type": self.shape.model_type, "params": self.shape.params,
+                      "trainable_params": self.shape.params if self.configured.setting.peft == "none"
+                      else self.shape.lora_params},
+            "world": self.configured.setting.world, "per_node": self.configured.setting.per_node,
+            "candidates": [c.to_json() for c in cands],
+            "configured": self.configured.to_json(),
+            "pick": self.pick.to_json() if self.pick else None,
+            "chosen": self.chosen().to_json(),
+            "auto": list(self.auto),
+            "reason": self.reason(),
+            "refused": {"/".join(k): v for k, v in self.result.refused.items()},
+        }
+
+
+def describe(s: Setting) -> str:
+    parts = [f"{s.backend} {s.strategy}"]
+    if s.offload != "none":
+        parts.append(f"offload {s.offload}")
+    parts.append("checkpointing full" if s.activation_checkpointing == "full" else "no checkpointing")
+    parts.append(f"micro-batch {s.micro_batch_size}")
+    return ", ".join(parts)
+
+
+def auto_keys(cfg: Any) -> tuple[str, ...]:
+    keys = []
+    if cfg.parallel.strategy == "auto":
+        keys.append("parallel.strategy")
+    if cfg.train.micro_batch_size == "auto":
+        keys.append("train.micro_batch_size")
+    return tuple(keys)
+
+
+def cpu_hardware(per_node: int) -> Any:
+    """A CPU machine seen as a 'GPU' per process: its share of host memory; rates only rank candidates."""
+    from shardtune.plan.hardware import Hardware
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * GIB
+    return Hardware(name="cpu", memory_bytes=int(total // max(1, per_node)), bf16_flops=1e12, matmul_efficiency=0.5,
+                    intra_node_bus_bytes_per_s=5e9, inter_node_bus_bytes_per_s=1e9, h2d_bytes_per_s=1e10,
+                    host_adam_params_per_s=5e8, hbm_bytes_per_s=5e10)
+
+
+def resolve_hardware(gpu: str | None = None, gpu_memory: str | None = None, calibration: str | None = None) -> Any:
+    """The GPU to plan for: `--gpu` (the table), else the local GPU, else None. A calibration file
+    (`shardtune calibrate`; --calibration or the default location) replaces the table's rates when it was
+    measured on the same GPU type; `--gpu-memory` replaces the memory."""
+    from dataclasses import replace
+
+    from shardtune.plan import hardware as hwmod
+
+    hw = hwmod.lookup(gpu) if gpu else hwmod.detect()
+    path = Path(calibration) if calibration else hwmod.calibration_path()
+    if calibration and not path.is_file():
+        raise ShardtuneError(f"--calibration: {str(path)!r} does not exist; run `shardtune calibrate --out "
+                             f"{path}` on the GPU machine, or leave the flag out")
+    if path.is_file():
+        measured = hwmod.load_calibration(path)
+        if hw is None or measured.name == hw.name:
+            hw = measured if hw is None else replace(measured, memory_bytes=hw.memory_bytes)
+    if gpu_memory:
+        if hw is None:
+            raise ShardtuneError("--gpu-memory: also name the GPU type with --gpu (e.g. --gpu h100 --gpu-memory "
+                                 "80GiB); its rates come from the table")
+        hw = replace(hw, memory_bytes=hwmod.parse_memory(gpu_memory))
+    return hw
+
+
+def supported_by(cfg: Any) -> Any:
+    """setting -> None if the backends can run it, else why not (validate's own rules, no process)."""
+    from shardtune.parallel import check_combination
+
+    def check(s: Setting) -> str | None:
+        variant = config_for(cfg, s)
+        try:
+            check_combination(variant, s.per_node)
+        except ShardtuneError as err:
+            return str(err)
+        return None
+
+    return check
+
+
+def config_for(cfg: Any, s: Setting) -> Any:
+    """`cfg` with the setting's knobs written in."""
+    new = cfg.model_copy(deep=True)
+    p, t = new.parallel, new.train
+    p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
+    p.activation_checkpointing = s.activation_checkpointing
+    if s.offload == "none" or not s.nvme:
+        p.offload_nvme_path = None
+    t.micro_batch_size = s.micro_batch_size
+    if s.strategy != "hsdp":
+        p.shard_size = "auto"
+    if s.backend != "deepspeed":
+        new.deepspeed = {}
+    return new
+
+
+def free_knobs(cfg: Any) -> set[str]:
+    """Setting fields the planner may choose: the strategy's (backend, offload and checkpointing too, unless
+    the config sets them) under `parallel.strategy: auto`, and the micro-batch under its `auto`."""
+    free = set()
+    if cfg.parallel.strategy == "auto":
+        free.add("strategy")
+        free |= {k for k in ("backend", "offload", "activation_checkpointing")
+                 if k not in cfg.parallel.model_fields_set}
+    if cfg.train.micro_batch_size == "auto":
+        free.add("micro_batch_size")
+    return free
+
+
+def make_plan(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: int,
+              all_micro_batches: bool = False) -> Plan:
+    """Price every way to run `cfg` on `world` processes (`per_node` per node) of `hardware`. The pick is the
+    fastest that fits among those that change only what the config leaves to `auto` (everything, when
+    nothing is auto: then it is advice)."""
+    auto = auto_keys(cfg)
+    targets = cfg.peft.target_modules if cfg.peft.target_modules != "auto" else None
+    shape = model_shape(hf_config, targets, cfg.peft.r)
+    base = setting_from_config(cfg, world, per_node)
+    mbs = MICRO_BATCHES if "train.micro_batch_size" in auto or all_micro_batches else None
+    host = _host_capacity(hardware)
+    result = search(shape, base, hardware, supported=supported_by(cfg), micro_batches=mbs, host_capacity=host)
+    free = free_knobs(cfg)
+    if free:
+        keep = [c for c in result.candidates if c.usable and _only(base, c.setting, free)]
+        result.pick = max(keep, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if keep else None
+    return Plan(hardware, shape, result, auto)
+
+
+def _only(a: Setting, b: Setting, free: set[str]) -> bool:
+    return all(getattr(a, k) == getattr(b, k) for k in a.knobs() if k not in free)
+
+
+def _host_capacity(hardware: Any) -> float | None:
+    """Host memory per node, when the plan is for this machine (a named remote GPU's host is unknown)."""
+    if getattr(hardware, "name", "") == "cpu":
+        return None
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refusal(plan: Plan) -> str | None:
+    """One line when the run as configured does not fit, naming the smallest changes that do."""
+    chosen = plan.chosen()
+    if chosen.usable:
+        return None
+    hw = plan.hardware
+    if not chosen.fits:
+        head = (f"predicted {chosen.memory.total / GIB:.0f} GiB per GPU > {plan.result.capacity / GIB:.0f} GiB usable "
+                f"on {hw.name} ({hw.memory_bytes / GIB:.0f} GiB less the {SAFETY_MARGIN:.0%} margin)")
+    else:
+        head = (f"predicted {chosen.memory.host_total / GIB:.0f} GiB of host memory per node > "
+                f"{(plan.result.host_capacity or 0) / GIB:.0f} GiB here")
+    fixes = smallest_fixes(plan.result)
+    if not fixes:
+        return f"{head}: nothing the planner tried fits; use more GPUs, peft.method=lora or qlora, or --force"
+    said = [" ".join(f"{k}={v}" for k, v in diff.items()) + f" fits ({c.memory.total / GIB:.0f} GiB)"
+            for diff, c in fixes]
+    return f"{head}: {', or '.join(said)}; --force runs anyway"
+
+
+def resolve_auto(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: int,
+                 force: bool = False) -> tuple[Any, Plan]:
+    """The config with `auto` strategy / micro-batch replaced by the pick, and its plan; refuses a run that
+    is predicted not to fit (unless `force`)."""
+    hw = hardware or cpu_hardware(per_node)
+    plan = make_plan(cfg, hf_config, hw, world=world, per_node=per_node)
+    if plan.auto and plan.pick is None and not force:
+        raise ShardtuneError(f"{', '.join(plan.auto)}: auto, but no way to run this config fits on {hw.name} "
+                             f"({hw.memory_bytes / GIB:.0f} GiB per GPU); use more GPUs, peft.method=lora or qlora, "
+                             "a shorter train.seq_len, or set the strategy and --force")
+    if hardware is not None and not force:
+        line = refusal(plan)
+        if line:
+            raise ShardtuneError(line)
+    chosen = plan.chosen()
+    return config_for_auto(cfg, chosen.setting, plan.auto), plan
+
+
+def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
+    if not auto:
+        return cfg
+    new = cfg.model_copy(deep=True)
+    if "parallel.strategy" in auto:
+        new.parallel.backend, new.parallel.strategy = s.backend, s.strategy
+        new.parallel.offload, new.parallel.activation_checkpointing = s.offload, s.activation_checkpointing
+    if "train.micro_batch_size" in auto:
+        new.train.micro_batch_size = s.micro_batch_size
+    return new
+
+
+def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
+    """Command-line overrides that fix what the planner picked (the workers then plan nothing)."""
+    out = []
+    if "parallel.strategy" in auto:
+        p = cfg.parallel
+        out += [f"parallel.backend={p.backend}", f"parallel.strategy={p.strategy}", f"parallel.offload={p.offload}",
+                f"parallel.activation_checkpointing={p.activation_checkpointing}"]
+    if "train.micro_batch_size" in auto:
+        out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
+    return out
+
+
+def write_plan(plan: Plan, path: Path) -> None:
+    path.write_text(json.dumps(plan.to_json(), indent=2))
+
+
+def predict_run(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: int) -> Candidate:
+    """The prediction for the run as configured (no search): what OUTPUT_DIR/plan.json records."""
+    from shardtune.plan.search import price
+
+    targets = cfg.peft.target_modules if cfg.peft.target_modules != "auto" else None
+    shape = model_shape(hf_config, targets, cfg.peft.r)
+    capacity = hardware.memory_bytes * (1 - SAFETY_MARGIN)
+    return price(shape, setting_from_config(cfg, world, per_node), hardware, capacity, None)
+
+
+def run_record(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: int) -> dict[str, Any]:
+    """plan.json of a run: the hardware it was priced for and the prediction (`chosen`)."""
+    c = predict_run(cfg, hf_config, hardware, world=world, per_node=per_node)
+    return {"hardware": {"name": hardware.name, "memory_gib": round(hardware.memory_bytes / GIB, 2)},
+            "world": world, "per_node": per_node, "chosen": c.to_json()}
+
+
+def compare(predicted: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's `plan`: predicted against measured peak memory and tokens/s, errors as fractions."""
+    from shardtune.plan.report import measured_from
+
+    measured = measured_from(history)
+    chosen = predicted["chosen"]
+    out: dict[str, Any] = {"hardware": predicted["hardware"]["name"],
+                           "predicted": {"peak_allocated_gib": chosen["memory_gib"]["allocated"],
+                                         "peak_reserved_gib": chosen["memory_gib"]["reserved"],
+                                         "tokens_per_sec_per_gpu": chosen["tokens_per_sec_per_gpu"]},
+                           "measured": measured}
+    if measured:
+        out["error"] = {k: (out["predicted"][k] - v) / v for k, v in measured.items() if v}
+    return out

@@ -1,0 +1,255 @@
+"""Memory per GPU and per node, term by term (bytes).
+
+The peak of a training step comes in one of three phases, and each term is counted in the phases
+where it is alive:
+
+  forward end   model states + gathered parameters + every saved activation + the loss's logits
+                (the usual peak: activations are largest just before backward starts)
+  backward      model states + gathered parameters + gradients + the recomputed block (checkpointing)
+  optimizer     parameters + gradients + optimizer states
+
+Sources and derivations are in each function's docstring. Constants named in CAPITALS were fitted
+to measurements on one H200 (bench/RESULTS.md, "planner accuracy"); never to a single answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardtune.plan.setting import Setting
+from shardtune.plan.shape import ModelShape
+
+GIB = 2**30
+# NF4 (torchao, QLoRA): 4 bits per weight plus one fp8 scaler per 64-element block and one fp32
+# second-level scaler per 256 blocks: 0.5 + 1/64 + 4/(64*256) ≈ 0.516 bytes per parameter.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+# torchao's 8-bit AdamW: two uint8 moments per parameter plus one fp32 scale per 256-element block each.
+ADAMW8BIT_BYTES = 2 + 2 * 4 / 256
+# The logits and loss (train/loss.py): the LM head's output in the compute dtype, its shifted copy, the
+# fp32 upcast and log-softmax's fp32 output are alive together at the end of forward: 2p + 8 bytes per
+# vocabulary entry per token (p = compute bytes). Fitted: the measured share of that transient.
+LOGITS_FACTOR = 1.0
+# Reserved / allocated in PyTorch's caching allocator (fragmentation, cached blocks). Fitted.
+FRAGMENTATION = 0.12
+# CUDA context, cuBLAS / cuDNN handles and kernels loaded outside the caching allocator; NCCL's own
+# buffers when there is more than one process (NCCL_BUFFSIZE 4 MiB x channels x peers, ~0.5 GiB).
+CUDA_CONTEXT = 0.75 * GIB
+NCCL_BUFFERS = 0.5 * GIB
+# Compiled blocks keep Inductor's workspaces and generated kernels (~0.3 GiB measured on an H200).
+COMPILE_WORKSPACE = 0.3 * GIB
+# FSDP2 gathers the next block while the current one computes (prefetch depth 1): two blocks unsharded.
+FSDP2_LIVE_BLOCKS = 2
+# Host memory of each training process besides its tensors (torch, CUDA libraries, the data).
+PROCESS_HOST = 3.0 * GIB
+
+
+@dataclass
+class Memory:
+    """Predicted peak per GPU: `terms` (bytes, the peak phase's composition) add up to `allocated`;
+    `total` adds the allocator's reserve and the CUDA context: what must fit on the device."""
+
+    terms: dict[str, float]
+    phase: str
+    allocated: float
+    reserved: float
+    total: float
+    host: dict[str, float] = field(default_factory=dict)  # per node, bytes
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+
+def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
+    """Bytes autograd saves per token in one decoder block without checkpointing (Llama-style block:
+    RMSNorm, attention with rotary embeddings and grouped KV heads, SwiGLU MLP).
+
+    Re-derived from Korthikanti et al. 2022 ("Reducing Activation Recomputation", eq. 2) for the kernels
+    transformers runs, with p = bytes of the compute dtype, h hidden, k the key/value width, f the MLP width,
+    a the attention heads:
+      2 RMSNorms   each saves its fp32 upcast (4h, for the variance) and the normalised input of the
+                   weight multiply (ph)                                                  -> 8h + 2ph
+      attention    the q/k/v projections' shared input (ph); RoPE multiplies by cos/sin, which need no
+                   gradient, so it saves nothing; the kernel saves rotated q (ph), rotated k and v (2pk),
+                   its output (ph, also o_proj's input: the kernel writes it in (b, s, a, d) order, so the
+                   transpose back is free) and the log-sum-exp (4a)                      -> 3ph + 2pk + 4a
+      SwiGLU       gate/up input (ph), gate output, SiLU output, up output, product (4pf)  -> ph + 4pf
+    Eager attention also keeps the fp32 softmax and its compute-dtype copy: (4 + p) x a x s.
+    Compiled blocks fuse each norm (it saves its input, ph, instead of the fp32 copy: -8h) and SiLU * up
+    (the SiLU output is recomputed: -pf).
+    Checked against autograd's saved tensors of a real block on CPU (tests/unit/test_plan.py)."""
+    p, h, k, f, a = s.compute_bytes, m.hidden, m.kv_dim, m.ffn, m.heads
+    total = 8 * h + 6 * p * h + 2 * p * k + 4 * p * f + 4 * a
+    if s.attn == "eager":
+        total += (4 + p) * a * s.seq_len
+    if s.compile:
+        total -= 8 * h + p * f
+    return float(total)
+
+
+def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
+    """(saved through the whole forward, extra while one block is recomputed in backward), bytes.
+
+    Without checkpointing every block keeps its activations. With full checkpointing each block keeps
+    only its input (p*h per token) and backward recomputes one block at a time."""
+    per_layer = activation_bytes_per_token_layer(m, s) * s.tokens
+    if s.activation_checkpointing == "full":
+        return float(m.layers * s.compute_bytes * m.hidden * s.tokens), per_layer
+    return m.layers * per_layer, 0.0
+
+
+def logits_bytes(m: ModelShape, s: Setting) -> float:
+    """The LM head's output and the cross-entropy's buffers at the end of forward: (2p + 8) x V bytes per
+    token (compute-dtype logits and their shifted copy, the fp32 upcast, log-softmax's fp32 output)."""
+    return LOGITS_FACTOR * (2 * s.compute_bytes + 8) * m.vocab * s.tokens
+
+
+def packing_mask_bytes(s: Setting) -> float:
+    """A packed batch under sdpa/eager carries a 4-D boolean document mask (s x s per row);
+    FlexAttention's block mask and flash-attention's sequence lengths are small."""
+    return float(s.micro_batch_size * s.seq_len * s.seq_len) if s.packing and s.attn in ("sdpa", "eager") else 0.0
+
+
+def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
+    """Per-GPU bytes of parameters, gradients and optimizer states, wherever they live (GPU or host),
+    before offload moves any of them. Returns the GPU view; offload is applied by `gpu_memory`.
+
+    FSDP2 (ZeRO-2/3, HSDP): fp32 parameters, fp32 gradients and AdamW's two fp32 moments, each sharded
+    over the shard group (16 bytes per parameter / shards: the ZeRO paper's K=12 plus 4 for fp32 grads;
+    PyTorch keeps them fp32 since the compute dtype is only the gathered copy's). DDP: whole replicas.
+    DeepSpeed: compute-dtype parameters (whole below stage 3), and fp32 masters + moments sharded from
+    stage 1, gradients from stage 2 (ZeRO, Rajbhandari et al. 2020, section 5).
+    LoRA / QLoRA: the frozen base holds no gradient and no optimizer state; its weights are stored in
+    peft.base_dtype, or NF4 for the adapted linear layers of QLoRA. Adapters are fp32 masters."""
+    pshards, oshards = s.param_shards(), s.optim_shards()
+    trainable = m.params if s.peft == "none" else m.lora_params
+    per_optim = ADAMW8BIT_BYTES if s.optim == "adamw8bit" else 8.0
+    if s.peft == "none":
+        frozen = 0.0
+    elif s.peft == "qlora":
+        frozen = (m.target_params * NF4_BYTES + (m.params - m.target_params) * s.frozen_bytes) / pshards
+    else:
+        frozen = m.params * s.frozen_bytes / pshards
+    if s.backend == "deepspeed" and s.peft == "none":
+        stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[s.strategy]
+        p = s.compute_bytes
+        return {
+            "parameters": p * m.params / (s.world if stage == 3 else 1),
+            "master_weights": 4.0 * m.params / oshards if p != 4 else 0.0,
+            # compute-dtype gradients, whole below stage 2 ...
+            "gradients": p * m.params if stage < 2 else p * m.params / s.world,
+            "optimizer": per_optim * m.params / oshards,
+            # ... and the fp32 copy of this rank's partition that the optimizer step makes
+            "fp32_gradients": 4.0 * m.params / oshards if p != 4 else 0.0,
+        }
+    return {
+        "parameters": 4.0 * trainable / pshards + frozen,
+        "master_weights": 0.0,
+        "gradients": 4.0 * trainable / pshards,
+        "optimizer": per_optim * trainable / oshards,
+    }
+
+
+def gathered_parameters(m: ModelShape, s: Setting) -> float:
+    """Unsharded compute-dtype copies alive during forward and backward (bytes).
+
+    FSDP2 zero2 keeps every block gathered from its forward to its backward (the whole model);
+    zero3 / hsdp keep the root (embedding, head, norm: not resharded after forward) and two blocks
+    (the one computing and the one prefetched). DDP runs under autocast, whose cast cache keeps a
+    compute-dtype copy of every weight from forward to backward. DeepSpeed stage 3 keeps up to
+    stage3_prefetch_bucket_size parameters gathered ahead (5e7 here) plus the block in use.
+    With fp32 compute and no sharding nothing is copied. With LoRA the frozen base in the compute dtype
+    is gathered the same way; NF4 weights are dequantised one linear layer at a time."""
+    p = s.compute_bytes
+    if s.backend == "fsdp2" and s.param_shards() == 1 and s.strategy != "ddp" and s.peft != "none" and \
+            s.frozen_bytes == p:
+        # A mesh of one with the frozen base already in the compute dtype: nothing to gather or cast, the
+        # blocks compute with the stored weights (measured: 8B LoRA and 8B / 70B QLoRA on one H200).
+        return 0.0
+    if s.peft == "qlora":
+        # Each NF4 linear is dequantised into one compute-dtype weight at a time; the largest is the MLP's.
+        largest = m.hidden * m.ffn
+        whole = (m.params - m.target_params) * p
+        blocks = FSDP2_LIVE_BLOCKS * (m.block_params - m.target_params / m.layers) * p
+    else:
+        largest, whole, blocks = 0, m.params * p, FSDP2_LIVE_BLOCKS * m.block_params * p
+    if s.backend == "deepspeed":
+        if s.strategy != "zero3":
+            return float(largest * p)
+        return min(whole, 5e7 * p + m.block_params * p) + largest * p
+    if s.strategy == "ddp":
+        return 0.0 if p == 4 or s.peft != "none" else whole
+    if s.strategy == "zero2":
+        return whole + largest * p
+    return m.root_params * p + blocks + largest * p
+
+
+def comm_buffers(m: ModelShape, s: Setting) -> float:
+    """Communication buffers (bytes): DeepSpeed's reduce / all-gather buckets (reduce_bucket_size 5e8
+    elements in the compute dtype, two in flight with overlap_comm) and FSDP2's reduce-scatter input
+    (one block's unsharded fp32 gradients while it is reduced)."""
+    if s.world == 1 and s.backend == "fsdp2":
+        return 0.0
+    trainable_block = m.block_params if s.peft == "none" else m.lora_params / m.layers
+    if s.backend == "deepspeed":
+        if s.strategy == "ddp":
+            return 0.0
+        if s.world == 1:  # nothing to reduce: DeepSpeed allocates no reduce bucket
+            return 0.0
+        return 2 * min(5e8, m.params) * s.compute_bytes
+    return 4.0 * trainable_block
+
+
+def gpu_memory(m: ModelShape, s: Setting) -> Memory:
+    """Peak allocated, reserved and device total per GPU for one setting, with its terms."""
+    states = model_states(m, s)
+    saved, recompute = activations(m, s)
+    gathered = gathered_parameters(m, s)
+    offloaded = _offloaded(states, s)
+    on_gpu = {k: v for k, v in states.items() if k not in offloaded}
+    logits = logits_bytes(m, s)
+    buffers = comm_buffers(m, s) + packing_mask_bytes(s)
+    # Gradients exist during forward when they accumulate over micro-batches, and under DeepSpeed, whose
+    # gradient buffers are allocated once (stage 0-1: the whole model's; stage 3: the partition's flat buffer).
+    grads_in_forward = s.grad_accum > 1 or (s.backend == "deepspeed" and s.strategy != "zero2")
+    in_backward = {k: v for k, v in on_gpu.items() if k != "fp32_gradients"}  # made by the optimizer step
+    base = {k: v for k, v in in_backward.items() if k != "gradients" or grads_in_forward}
+    phases = {
+        "forward end": {**base, "gathered_parameters": gathered, "activations": saved, "logits": logits,
+                        "buffers": buffers},
+        "backward": {**in_backward, "gathered_parameters": gathered, "activations": saved + recompute,
+                     "buffers": buffers},
+        "optimizer": dict(on_gpu),
+    }
+    phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    terms = {k: float(v) for k, v in terms.items() if v}
+    allocated = sum(terms.values())
+    reserved = allocated * (1 + FRAGMENTATION)
+    context = CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0.0) + (COMPILE_WORKSPACE if s.compile else 0.0)
+    return Memory(terms=terms, phase=phase, allocated=allocated, reserved=reserved, total=reserved + context,
+                  host=host_memory(m, s, states, offloaded))
+
+
+def _offloaded(states: dict[str, float], s: Setting) -> set[str]:
+    """DeepSpeed ZeRO-Offload moves the optimizer states, fp32 masters and their gradients to the host
+    (optimizer), and the parameters too (params)."""
+    if s.offload == "none":
+        return set()
+    # The compute-dtype gradients stream to the host bucket by bucket instead of filling a GPU partition.
+    moved = {"optimizer", "master_weights", "fp32_gradients", "gradients"}
+    return moved | {"parameters"} if s.offload == "params" else moved
+
+
+def host_memory(m: ModelShape, s: Setting, states: dict[str, float], offloaded: set[str]) -> dict[str, float]:
+    """Host memory per node (bytes): the processes themselves, offloaded states (pinned; on NVMe only
+    DeepSpeed's swap buffers stay in memory), and an async checkpoint's staging copy, which is kept for
+    the whole run: the node's share of the checkpoint (fp32 trainable parameters + optimizer states)."""
+    host = {"processes": PROCESS_HOST * s.per_node}
+    if offloaded:
+        moved = sum(states.get(k, 0.0) for k in offloaded if k != "gradients") * s.per_node
+        host["offload"] = min(moved, 2 * 5e8 * 4 * s.per_node) if s.nvme else moved
+    if s.async_checkpoint:
+        trainable = m.params if s.peft == "none" else m.lora_params
+        per_param = 4.0 + (ADAMW8BIT_BYTES if s.optim == "adamw8bit" else 8.0)
+        host["checkpoint_staging"] = per_param * trainable / s.world * s.per_node
+    return host

@@ -1,0 +1,98 @@
+"""What `shardtune plan` prints: the candidates table, the pick, and `--check RUN_DIR`'s errors."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import ShardtuneError
+from shardtune.plan import Plan, describe
+from shardtune.plan.memory import GIB
+from shardtune.plan.search import Candidate
+
+TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "grads"), ("optimizer", "optim"),
+         ("gathered_parameters", "gather"), ("activations", "act"), ("logits", "logits"), ("buffers", "buf"))
+
+
+def table(plan: Plan, show_all: bool = False) -> list[str]:
+    rows = [c for c in plan.result.candidates if show_all or c.usable]
+    head = (f"{'backend':<9} {'strategy':<8} {'offload':<9} {'ckpt':<4} {'mb':>3} {'GiB/GPU':>8} "
+            + " ".join(f"{short:>6}" for _, short in TERMS) + f" {'host GiB':>8} {'tok/s/GPU':>10} {'MFU':>6}  fits")
+    lines = [head]
+    for c in rows:
+        lines.append(_row(c, mark=_mark(plan, c)))
+    if not rows:
+        lines.append("(no candidate fits; --all lists them all)")
+    return lines
+
+
+def _mark(plan: Plan, c: Candidate) -> str:
+    marks = []
+    if plan.pick is not None and c.setting == plan.pick.setting:
+        marks.append("<- pick")
+    if c.setting == plan.configured.setting:
+        marks.append("<- config")
+    return " ".join(marks)
+
+
+def _row(c: Candidate, mark: str = "") -> str:
+    s, mem = c.setting, c.memory
+    terms = " ".join(f"{mem.terms.get(key, 0.0) / GIB:>6.1f}" for key, _ in TERMS)
+    fits = "yes" if c.usable else ("host" if c.fits else "no")
+    return (f"{s.backend:<9} {s.strategy:<8} {s.offload:<9} {s.activation_checkpointing:<4} {s.micro_batch_size:>3} "
+            f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "
+            f"{c.time.mfu:>6.1%}  {fits} {mark}").rstrip()
+
+
+def summary_lines(plan: Plan) -> list[str]:
+    hw, c = plan.hardware, plan.configured
+    lines = [f"hardware   {hw.name}, {hw.memory_bytes / GIB:.1f} GiB per GPU "
+             f"({c.setting.per_node} per node x {c.setting.nnodes} node(s)); usable {plan.result.capacity / GIB:.1f} "
+             "GiB after the safety margin",
+             f"config     {describe(c.setting)}: {c.memory.total / GIB:.1f} GiB per GPU predicted (peak at "
+             f"{c.memory.phase}), {c.time.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
+             f"{'fits' if c.usable else 'does NOT fit'}",
+             f"pick       {plan.reason()}"]
+    if plan.auto:
+        lines.append(f"auto       {', '.join(plan.auto)} -> {describe(plan.chosen().setting)}")
+    return lines
+
+
+def check_run(run_dir: str) -> list[str]:
+    """Predicted (OUTPUT_DIR/plan.json) against measured (metrics.jsonl) for a finished run."""
+    root = Path(run_dir)
+    plan_file, metrics_file = root / "plan.json", root / "metrics.jsonl"
+    for f in (plan_file, metrics_file):
+        if not f.is_file():
+            raise ShardtuneError(f"plan --check: {str(f)!r} does not exist; give the output dir of a shardtune run "
+                                 "(it writes plan.json and metrics.jsonl)")
+    try:
+        predicted = json.loads(plan_file.read_text())["chosen"]
+        records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    except (json.JSONDecodeError, KeyError) as err:
+        raise ShardtuneError(f"plan --check: cannot read {run_dir}: {err}") from None
+    measured = measured_from(records)
+    if not measured:
+        raise ShardtuneError(f"plan --check: {str(metrics_file)!r} holds no training record yet")
+    rows = [("peak allocated GiB", predicted["memory_gib"]["allocated"], measured["peak_allocated_gib"]),
+            ("peak reserved GiB", predicted["memory_gib"]["reserved"], measured["peak_reserved_gib"]),
+            ("tokens/s per GPU", predicted["tokens_per_sec_per_gpu"], measured["tokens_per_sec_per_gpu"])]
+    out = [f"{'':<20} {'predicted':>12} {'measured':>12} {'error':>8}"]
+    for name, p, m in rows:
+        err = f"{(p - m) / m:+.1%}" if m else "-"
+        out.append(f"{name:<20} {p:>12,.2f} {m:>12,.2f} {err:>8}")
+    return out
+
+
+def measured_from(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Peak memory over every training record; tokens/s per GPU as the median of the records after the
+    first (warm-up, compile) that include no checkpoint save."""
+    train = [r for r in records if not r.get("eval") and "tokens_per_sec_per_device" in r]
+    if not train:
+        return {}
+    steady = [r for r in train[1:] if "checkpoint_s" not in r] or train
+    return {"peak_allocated_gib": max(r["peak_mem_gib"] for r in train),
+            "peak_reserved_gib": max(r.get("peak_reserved_gib", r["peak_mem_gib"]) for r in train),
+            "tokens_per_sec_per_gpu": statistics.median(r["tokens_per_sec_per_device"] for r in steady)}

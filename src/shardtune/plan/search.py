@@ -1,0 +1,124 @@
+"""The search: every way to run a config on the given machines, priced, filtered by what fits, ranked
+by predicted tokens/s."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardtune.plan.memory import GIB, Memory, gpu_memory
+from shardtune.plan.setting import Setting
+from shardtune.plan.shape import ModelShape
+from shardtune.plan.speed import StepTime, step_time
+
+# Share of the device's memory kept free beyond the prediction (the model's error, other processes).
+SAFETY_MARGIN = 0.05
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+STRATEGIES = {"fsdp2": ("ddp", "zero2", "zero3", "hsdp"), "deepspeed": ("ddp", "zero1", "zero2", "zero3")}
+OFFLOADS = {"fsdp2": ("none",), "deepspeed": ("none", "optimizer", "params")}
+CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "offload": "parallel.offload",
+               "activation_checkpointing": "parallel.activation_checkpointing",
+               "micro_batch_size": "train.micro_batch_size"}
+
+
+@dataclass
+class Candidate:
+    setting: Setting
+    memory: Memory
+    time: StepTime
+    fits: bool
+    fits_host: bool = True
+
+    @property
+    def usable(self) -> bool:
+        return self.fits and self.fits_host
+
+    def to_json(self) -> dict[str, Any]:
+        mem = {"total": self.memory.total / GIB, "allocated": self.memory.allocated / GIB,
+               "reserved": self.memory.reserved / GIB, **{k: v / GIB for k, v in self.memory.terms.items()}}
+        return {**self.setting.knobs(), "memory_gib": _round(mem), "peak_phase": self.memory.phase,
+                "host_memory_gib": round(self.memory.host_total / GIB, 2),
+                "host_memory_terms_gib": _round({k: v / GIB for k, v in self.memory.host.items()}),
+                "tokens_per_sec_per_gpu": round(self.time.tokens_per_sec_per_gpu, 1),
+                "step_time_s": round(self.time.seconds, 4), "mfu": round(self.time.mfu, 4),
+                "time_terms_s": _round(self.time.terms, 4),
+                "comm_bytes_per_step": {k: int(v) for k, v in self.time.comm_bytes.items()},
+                "fits": self.fits, "fits_host": self.fits_host}
+
+
+def _round(d: dict[str, float], digits: int = 2) -> dict[str, float]:
+    return {k: round(v, digits) for k, v in d.items()}
+
+
+@dataclass
+class Search:
+    candidates: list[Candidate]
+    configured: Candidate
+    pick: Candidate | None
+    capacity: float  # bytes usable per GPU after the safety margin
+    host_capacity: float | None
+    refused: dict[tuple[str, str, str], str] = field(default_factory=dict)  # combination -> why not
+
+
+def price(m: ModelShape, s: Setting, hw: Any, capacity: float, host_capacity: float | None) -> Candidate:
+    mem = gpu_memory(m, s)
+    return Candidate(s, mem, step_time(m, s, hw), fits=mem.total <= capacity,
+                     fits_host=host_capacity is None or mem.host_total <= host_capacity)
+
+
+def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Setting], str | None],
+           micro_batches: tuple[int, ...] | None = None, host_capacity: float | None = None) -> Search:
+    """Price every backend x strategy x offload x checkpointing (x micro-batch when `micro_batches` is given)
+    variant of `base`; `supported(setting)` returns why a combination cannot run, or None."""
+    capacity = hw.memory_bytes * (1 - SAFETY_MARGIN)
+    refused: dict[tuple[str, str, str], str] = {}
+    out: list[Candidate] = []
+    for backend, ac, mb in itertools.product(("fsdp2", "deepspeed"), ("none", "full"),
+                                             micro_batches or (base.micro_batch_size,)):
+        for strategy, offload in itertools.product(STRATEGIES[backend], OFFLOADS[backend]):
+            if strategy == "hsdp" and base.nnodes == 1:
+                continue  # on one node hsdp is zero3
+            s = base.replace(backend=backend, strategy=strategy, offload=offload, activation_checkpointing=ac,
+                             micro_batch_size=mb, nvme=base.nvme and offload != "none")
+            key = (backend, strategy, offload)
+            if key not in refused:
+                refused[key] = supported(s) or ""
+            if refused[key]:
+                continue
+            out.append(price(m, s, hw, capacity, host_capacity))
+    configured = price(m, base, hw, capacity, host_capacity)
+    usable = [c for c in out if c.usable]
+    pick = max(usable, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if usable else None
+    out.sort(key=lambda c: (not c.usable, -c.time.tokens_per_sec_per_gpu))
+    return Search(out, configured, pick, capacity, host_capacity, {k: v for k, v in refused.items() if v})
+
+
+def changes(a: Setting, b: Setting) -> dict[str, Any]:
+    """Knobs of `b` that differ from `a`, as config keys."""
+    ka, kb = a.knobs(), b.knobs()
+    return {CONFIG_KEYS[k]: kb[k] for k in ka if ka[k] != kb[k]}
+
+
+def smallest_fixes(result: Search, limit: int = 2) -> list[tuple[dict[str, Any], Candidate]]:
+    """Candidates that fit, fewest changed knobs first, then fastest; one per distinct first change."""
+    base = result.configured.setting
+    options = []
+    for c in result.candidates:
+        if not c.usable:
+            continue
+        diff = changes(base, c.setting)
+        if diff:
+            options.append((len(diff), -c.time.tokens_per_sec_per_gpu, diff, c))
+    options.sort(key=lambda o: (o[0], o[1]))
+    seen, fixes = set(), []
+    for _, _, diff, c in options:
+        key = tuple(sorted(diff))
+        if key in seen:
+            continue
+        seen.add(key)
+        fixes.append((diff, c))
+        if len(fixes) == limit:
+            break
+    return fixes

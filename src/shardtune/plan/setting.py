@@ -1,0 +1,91 @@
+"""One way to run a config: the knobs the planner varies and the facts of the machines."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The run as the memory and time models see it. `world` counts every process of the job;
+    `per_node` those on one node (one GPU each)."""
+
+    backend: str = "fsdp2"
+    strategy: str = "zero3"
+    offload: str = "none"  # none | optimizer | params
+    nvme: bool = False
+    activation_checkpointing: str = "none"  # none | full
+    compile: bool = False
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    seq_len: int = 2048
+    precision: str = "bf16"
+    peft: str = "none"  # none | lora | qlora
+    base_dtype: str = "auto"
+    optim: str = "adamw"
+    attn: str = "sdpa"
+    packing: bool = False
+    async_checkpoint: bool = False
+    world: int = 1
+    per_node: int = 1
+    shard_size: int | None = None  # hsdp's group; None = per_node
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.world // max(1, self.per_node))
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one activation element (the compute precision)."""
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of one frozen base weight under LoRA (peft.base_dtype, auto = the compute precision)."""
+        return PRECISION_BYTES[self.precision if self.base_dtype == "auto" else self.base_dtype]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch of one process."""
+        return self.micro_batch_size * self.seq_len
+
+    def param_shards(self) -> int:
+        """Processes that share one copy of the parameters (1: each holds them whole)."""
+        if self.backend == "deepspeed":
+            return self.world if self.strategy == "zero3" else 1
+        if self.strategy in ("zero2", "zero3"):
+            return self.world
+        if self.strategy == "hsdp":
+            return self.shard_size or self.per_node
+        return 1
+
+    def optim_shards(self) -> int:
+        """Processes that share one copy of the optimizer states and fp32 masters."""
+        if self.backend == "deepspeed":
+            return 1 if self.strategy == "ddp" else self.world
+        return self.param_shards()
+
+    def replace(self, **changes: Any) -> Setting:
+        return dataclasses.replace(self, **changes)
+
+    def knobs(self) -> dict[str, Any]:
+        """The searched knobs, for tables and JSON."""
+        return {"backend": self.backend, "strategy": self.strategy, "offload": self.offload,
+                "activation_checkpointing": self.activation_checkpointing, "micro_batch_size": self.micro_batch_size}
+
+
+def setting_from_config(cfg: Any, world: int, per_node: int) -> Setting:
+    """The Setting a Config describes; `auto` strategy / micro-batch take placeholders the search replaces."""
+    p, t = cfg.parallel, cfg.train
+    return Setting(
+        backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
+        nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
+        compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
+        grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
+        base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,
+        packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save, world=world, per_node=per_node,
+        shard_size=p.shard_size if isinstance(p.shard_size, int) else None)

@@ -1,0 +1,95 @@
+"""What the planner needs to know about a model, read from its config alone (no weights).
+
+The model is built on the meta device (no memory, about a second even for 70B) and its parameters
+are counted by role: the repeated decoder block, the input embedding, the LM head, and the linear
+layers LoRA would adapt. The activation formulas read the block's widths from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from shardtune.errors import ShardtuneError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts (elements) and widths of one decoder-only model."""
+
+    model_type: str
+    params: int  # every parameter (tied weights once)
+    layers: int
+    block_params: int  # one decoder block
+    embed_params: int  # the input embedding (V x h)
+    head_params: int  # an untied LM head (V x h); 0 when tied to the embedding
+    hidden: int
+    ffn: int  # MLP inner width
+    heads: int
+    kv_dim: int  # key (= value) width: kv heads x head dim
+    vocab: int
+    target_params: int  # weights of the linear layers LoRA adapts (all blocks)
+    lora_params: int  # LoRA A + B elements at the planned rank (all blocks)
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder blocks (embedding, LM head, final norm): FSDP2's root unit."""
+        return self.params - self.layers * self.block_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls (all but an untied input embedding)."""
+        return self.params - (self.embed_params if self.head_params else 0)
+
+
+def _width(hf_config: Any, *names: str, default: int | None = None) -> int:
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    if default is not None:
+        return default
+    raise ShardtuneError(f"model config ({getattr(hf_config, 'model_type', '?')}) has none of {', '.join(names)}; "
+                         "the planner needs the model's sizes: give a complete config.json")
+
+
+def model_shape(hf_config: Any, lora_targets: list[str] | str | None = None, lora_r: int = 16) -> ModelShape:
+    """Count a model's parameters by role from its config (meta-device build, no weights read).
+
+    `lora_targets`: module names LoRA adapts (None: the architecture's defaults; "all-linear": every
+    linear layer of the blocks)."""
+    from shardtune.models.build import build_on_meta
+    from shardtune.models.facts import ARCH_FACTS, decoder_blocks
+
+    model = build_on_meta(hf_config)
+    blocks = decoder_blocks(model, hf_config.model_type)
+    params = sum(p.numel() for p in model.parameters())
+    block_params = sum(p.numel() for p in blocks[0].parameters())
+    embed = model.get_input_embeddings()
+    embed_params = embed.weight.numel() if embed is not None else 0
+    head = model.get_output_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    head_params = 0 if tied or head is None else head.weight.numel()
+    if lora_targets is None:
+        facts = ARCH_FACTS.get(hf_config.model_type)
+        lora_targets = list(facts.lora_targets) if facts else "all-linear"
+    target_params = lora_params = 0
+    for block in blocks:
+        for name, module in block.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            if lora_targets != "all-linear" and name.rsplit(".", 1)[-1] not in lora_targets:
+                continue
+            target_params += module.weight.numel()
+            lora_params += lora_r * (module.in_features + module.out_features)
+    hidden = _width(hf_config, "hidden_size", "n_embd", "d_model")
+    heads = _width(hf_config, "num_attention_heads", "n_head")
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    kv_heads = _width(hf_config, "num_key_value_heads", default=heads)
+    ffn = _width(hf_config, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+    vocab = _width(hf_config, "vocab_size")
+    return ModelShape(model_type=hf_config.model_type, params=params, layers=len(blocks), block_params=block_params,
+                      embed_params=embed_params, head_params=head_params, hidden=hidden, ffn=ffn, heads=heads,
+                      kv_dim=kv_heads * head_dim, vocab=vocab, target_params=target_params, lora_params=lora_params)

@@ -1,0 +1,176 @@
+"""Time per optimizer step: FLOPs over the GPU's matmul rate, collective bytes over the bus, and the
+host's share under offload. Constants in CAPITALS were fitted to one H200 (bench/RESULTS.md, "planner
+accuracy") and are documented there; the hardware's ceilings come from plan/hardware.py (or
+`shardtune calibrate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardtune.plan.memory import NF4_BYTES
+from shardtune.plan.setting import Setting
+from shardtune.plan.shape import ModelShape
+
+# Share of the calibrated matmul rate a whole training step reaches, as a function of the hidden width
+# (small GEMMs and the non-matmul kernels weigh more in small models): EFF_MAX * h / (h + EFF_H0).
+EFF_MAX = 0.76
+EFF_H0 = 1400.0
+# torch.compile of each block fuses the elementwise kernels (measured 1.20-1.23x on the 1B shape).
+COMPILE_SPEEDUP = 1.2
+# DeepSpeed's engine against FSDP2 on the same work (measured on one H200: zero2 0.84x, zero3 0.71x).
+DEEPSPEED_EFF = {"ddp": 0.84, "zero1": 0.84, "zero2": 0.84, "zero3": 0.71}
+# DDP runs mixed precision through autocast, which casts weights every forward (measured ~0.91x).
+AUTOCAST_EFF = 0.91
+# LoRA's adapter matmuls are small and memory-bound: extra seconds per token per adapted weight element.
+LORA_OVERHEAD = 0.1
+# The fused NF4 dequantisation kernel reaches about a third of the HBM bandwidth (bench/nf4_linear.py:
+# 1,722 GB/s on an H200).
+DEQUANT_EFFICIENCY = 0.35
+# fp32 compute runs on TF32 tensor cores at half the bf16 rate at best.
+FP32_RATE = 0.5
+# Share of collective time hidden behind compute (FSDP2 prefetches the next all-gather and overlaps the
+# reduce-scatter with the previous block's backward).
+OVERLAP = 0.8
+# Fixed host-side cost per micro-batch (Python, kernel launches, the data batch's copy), seconds.
+STEP_OVERHEAD_S = 0.004
+
+
+@dataclass
+class StepTime:
+    seconds: float
+    tokens_per_sec_per_gpu: float
+    mfu: float
+    terms: dict[str, float]  # seconds per step: compute, communication (exposed), offload, overhead
+    comm_bytes: dict[str, float]  # bytes each GPU sends per step, by collective
+
+
+def train_flops_per_token(m: ModelShape, s: Setting) -> float:
+    """FLOPs the GPU runs per token, recompute included.
+
+    6N + 12·L·h·s (PaLM / torchtitan: 2 FLOPs per weight forward, 4 backward; attention scores and values
+    12·L·h·s). Frozen weights (LoRA, QLoRA) cost forward + input gradient: 4 per weight; adapters 6.
+    Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s."""
+    n = m.matmul_params
+    attn = 12.0 * m.layers * m.hidden * s.seq_len
+    flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
+    if s.activation_checkpointing == "full":
+        flops += 2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len
+    return flops
+
+
+def model_flops_per_token(m: ModelShape, s: Setting) -> float:
+    """FLOPs per token as MFU counts them (no recompute): what metrics/flops.py logs."""
+    from shardtune.metrics.flops import flops_per_token
+
+    if s.peft == "none":
+        return flops_per_token(m.matmul_params, m.layers, m.hidden, s.seq_len)
+    return flops_per_token(m.matmul_params, m.layers, m.hidden, s.seq_len, trainable=m.lora_params)
+
+
+def kernel_efficiency(m: ModelShape, s: Setting) -> float:
+    eff = EFF_MAX * m.hidden / (m.hidden + EFF_H0)
+    if s.compile:
+        eff *= COMPILE_SPEEDUP
+    if s.backend == "deepspeed":
+        eff *= DEEPSPEED_EFF[s.strategy]
+    elif s.strategy == "ddp" and s.precision != "fp32":
+        eff *= AUTOCAST_EFF
+    if s.precision == "fp32":
+        eff *= FP32_RATE
+    return eff
+
+
+def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
+    """Bytes each GPU puts on the bus per optimizer step, by collective (ring algorithms: an all-gather or
+    reduce-scatter of B bytes over n ranks moves B(n-1)/n per rank, an all-reduce twice that).
+
+    zero3 / hsdp gather the parameters twice per micro-batch (forward and backward), zero2 once; every
+    sharded strategy reduce-scatters fp32 gradients per micro-batch (FSDP2 syncs each one); DDP all-reduces
+    once per step. hsdp adds an all-reduce of the sharded gradients across its replica groups. DeepSpeed
+    stage 1-2 all-reduce / reduce-scatter the gradients and all-gather the updated parameters once a step.
+    LoRA gathers the frozen base the same way but reduces only the adapters' gradients."""
+    w = s.world
+    if w == 1:
+        return {}
+    p = s.compute_bytes
+    trainable = m.params if s.peft == "none" else m.lora_params
+    frozen_param_bytes = m.params * p if s.peft != "qlora" else m.target_params * NF4_BYTES + \
+        (m.params - m.target_params) * p
+    out: dict[str, float] = {}
+    if s.backend == "deepspeed":
+        if s.strategy in ("ddp", "zero1"):
+            out["all_reduce"] = 2 * trainable * p * (w - 1) / w
+        else:
+            out["reduce_scatter"] = trainable * p * (w - 1) / w * s.grad_accum
+        if s.strategy in ("zero1", "zero2"):
+            out["all_gather"] = trainable * p * (w - 1) / w
+        if s.strategy == "zero3":
+            out["all_gather"] = 2 * frozen_param_bytes * (w - 1) / w * s.grad_accum
+        return out
+    if s.strategy == "ddp":
+        return {"all_reduce": 2 * trainable * 4.0 * (w - 1) / w}
+    n = s.param_shards()
+    gathers = 1 if s.strategy == "zero2" else 2
+    out["all_gather"] = gathers * frozen_param_bytes * (n - 1) / n * s.grad_accum
+    out["reduce_scatter"] = trainable * 4.0 * (n - 1) / n * s.grad_accum
+    replicas = w // n
+    if replicas > 1:
+        out["all_reduce"] = 2 * trainable * 4.0 / n * (replicas - 1) / replicas
+    return out
+
+
+def comm_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
+    """Collective time per step: the shard group's traffic goes over NVLink when it fits in one node, else
+    over the inter-node network; hsdp's cross-group all-reduce always crosses nodes when nnodes > 1."""
+    by_kind = comm_bytes(m, s)
+    if not by_kind:
+        return 0.0
+    group = s.param_shards() if s.backend == "fsdp2" and s.strategy == "hsdp" else s.world
+    intra = group <= s.per_node
+    seconds = 0.0
+    for kind, nbytes in by_kind.items():
+        crosses = (not intra) or (kind == "all_reduce" and s.strategy == "hsdp" and s.nnodes > 1)
+        bw = hw.inter_node_bus_bytes_per_s if crosses else hw.intra_node_bus_bytes_per_s
+        seconds += nbytes / bw
+    return seconds
+
+
+def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
+    """DeepSpeed ZeRO-Offload: each rank's fp32 gradients go to the host and its updated compute-dtype
+    parameters come back over PCIe, and the node's CPU runs AdamW over the node's partitions (ranks on a
+    node share its cores); NVMe adds reading and writing the states (not modelled beyond the host rate)."""
+    if s.offload == "none":
+        return 0.0
+    trainable = m.params if s.peft == "none" else m.lora_params
+    share = trainable / s.world
+    pcie = share * (4 + s.compute_bytes) / hw.h2d_bytes_per_s
+    if s.offload == "params":
+        pcie += 2 * share * s.compute_bytes * s.world / hw.h2d_bytes_per_s * s.grad_accum  # gathers from host
+    adam = share * s.per_node / hw.host_adam_params_per_s
+    return pcie + adam
+
+
+def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
+    tokens = s.tokens * s.grad_accum
+    rate = hw.bf16_flops * hw.matmul_efficiency * kernel_efficiency(m, s)
+    compute = tokens * train_flops_per_token(m, s) / rate
+    if s.peft != "none":
+        compute += LORA_OVERHEAD * tokens * m.lora_params * 8 / (hw.hbm_bytes_per_s)
+    if s.peft == "qlora":
+        # Each NF4 weight is dequantised in forward, in the recompute and in backward of every micro-batch:
+        # reads 4 bits and writes the compute dtype.
+        passes = 3 if s.activation_checkpointing == "full" else 2
+        compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / (
+            hw.hbm_bytes_per_s * DEQUANT_EFFICIENCY)
+    comm = comm_seconds(m, s, hw)
+    exposed = max(comm - OVERLAP * compute, (1 - OVERLAP) * comm)
+    offload = offload_seconds(m, s, hw)
+    overhead = STEP_OVERHEAD_S * s.grad_accum
+    seconds = compute + exposed + offload + overhead
+    tps = tokens / seconds
+    mfu = tps * model_flops_per_token(m, s) / hw.bf16_flops
+    return StepTime(seconds=seconds, tokens_per_sec_per_gpu=tps, mfu=mfu,
+                    terms={"compute": compute, "communication": exposed, "offload": offload, "overhead": overhead},
+                    comm_bytes=comm_bytes(m, s))
