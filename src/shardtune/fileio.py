@@ -1,7 +1,9 @@
-"""Small file helpers every package may use: JSON-able values (more join in part 4 of issue 15)."""
+"""Small file helpers every package may use: JSON-able values, durable directory entries."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,3 +18,12 @@ def jsonable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [jsonable(v) for v in obj]
     return obj
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or new file inside `path` durable (the directory entry itself is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

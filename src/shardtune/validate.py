@@ -89,7 +89,8 @@ def check_worker(cfg: Config, world: int) -> None:
 def check_resume(cfg: Config, world: int) -> None:
     """A checkpoint the run resumes from (`checkpoint.resume`) must exist, be complete, and be one this
     backend can resume on `world` processes (all nodes)."""
-    from shardtune.checkpoint.dcp import check_resumable, checkpoint_root, resolve_checkpoint
+    from shardtune.checkpoint.formats import check_resumable
+    from shardtune.checkpoint.layout import checkpoint_root, resolve_checkpoint
 
     if not cfg.checkpoint.resume:
         return

@@ -15,8 +15,8 @@ checkpoints rank 0 writes OUT_DIR/VARIANT/reference.safetensors: the logits of a
 through the backend at save time ("logits"), every trainable parameter as the backend holds it
 (gathered under ZeRO-3; in the compute dtype, e.g. bf16 module copies for bf16 runs), and the logits
 after one more step ("logits_moved") and again after DeepSpeed re-read the checkpoint through
-backend.load_native inside deepspeed_files.weights_only_loads ("logits_reloaded"; every torch.load
-it made had weights_only=True).
+DeepSpeedFormat.read (pickles checked, backend.load_native inside weights_only_loads)
+("logits_reloaded"; every torch.load it made had weights_only=True).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint.dcp import TRAINER_STATE, finalize
-from shardtune.checkpoint.deepspeed_files import weights_only_loads
+from shardtune.checkpoint.deepspeed_files import NATIVE_DIR, TAG, DeepSpeedFormat
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, write_config
+from shardtune.checkpoint.layout import TRAINER_STATE, finalize
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, PeftConfig, TrainConfig
 from shardtune.data import Batch
 from shardtune.dist import clean_exit, init_distributed
@@ -103,7 +103,7 @@ def make_variant(out: Path, variant: str, ctx) -> None:
         if model is not base:
             model.peft_config["default"].save_pretrained(str(tmp / "hf"))
     dist.barrier()
-    backend.save_native(tmp / "deepspeed")
+    backend.save_native(tmp / NATIVE_DIR, TAG)
 
     # The reference: what the backend holds at save time.
     backend.train(False)
@@ -133,8 +133,7 @@ def make_variant(out: Path, variant: str, ctx) -> None:
 
     torch.load = spy
     try:
-        with weights_only_loads(backend.engine):
-            backend.load_native(tmp / "deepspeed")
+        DeepSpeedFormat().read(backend, tmp)  # what a resume runs: pickles checked, reads weights_only
     finally:
         torch.load = real_load
     assert seen and all(seen), seen

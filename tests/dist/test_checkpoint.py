@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import ROOT, _env, shardtune
 
-from shardtune.checkpoint.dcp import SafeReader, complete_checkpoints, is_complete, resolve_checkpoint, verify
-from shardtune.checkpoint.export import read_tensor
+from shardtune.checkpoint.dcp_files import SafeReader, read_tensor
+from shardtune.checkpoint.layout import complete_checkpoints, is_complete, resolve_checkpoint, verify
 
 pytestmark = pytest.mark.dist
 

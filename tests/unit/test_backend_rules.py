@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.checkpoint.dcp import finalize
+from shardtune.checkpoint.layout import finalize
 from shardtune.config import Config, config_from_dict
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import BACKENDS, describe

@@ -48,8 +48,8 @@ class Backend(Protocol):
     forward:          logits for evaluation (no grad).
     full_tensor:      collective: a parameter's whole tensor, however the backend shards it (for export).
     module:           the unwrapped model (for export).
-    checkpoint_format: "dcp" (the loop's checkpointer saves `state_dict()` with DCP) or "deepspeed"
-                      (the backend writes its engine's own files: `save_native(dir)` / `load_native(dir)`).
+    Its checkpoint format (BackendSpec.checkpoint_format) drives it: DCP saves `state_dict()`, DeepSpeed's
+    format calls the engine's `save_native(dir, tag)` / `load_native(dir, tag)`.
     """
 
     module: nn.Module
@@ -100,7 +100,7 @@ class BackendSpec:
     make:      builds the backend for a run: (cfg, ctx, loss) -> Backend.
     check:     its other refusals: (cfg, world or None, device type or None); world = processes per node.
     describe:  (cfg, world) -> how it runs the strategy, as `shardtune plan` prints it.
-    checkpoint_format: the on-disk format of its checkpoints (a name of checkpoint's formats).
+    checkpoint_format: the on-disk format of its checkpoints (a name in checkpoint.formats).
     param_shards: (parallel, world) -> over how many ranks it splits each parameter at rest (1: every rank
                holds whole parameters); QLoRA sizes its NF4 blocks for it.
     """

@@ -41,12 +41,9 @@ from shardtune.parallel.prepare import checkpoint_and_compile
 if TYPE_CHECKING:
     from shardtune.data import Batch
 
-TAG = "state"  # one DeepSpeed tag per shardtune checkpoint directory
 
 
 class DeepSpeedBackend:
-    checkpoint_format = "deepspeed"
-
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, ds_config: dict[str, Any],
                  loss: LossFn) -> None:
         self.parallel, self.precision, self.ctx, self.ds_config = parallel, precision, ctx, ds_config
@@ -147,22 +144,18 @@ class DeepSpeedBackend:
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else 0.0
 
     # ---- checkpoint state (DeepSpeed's own sharded format) -------------------------------------
-    def save_native(self, path: Path) -> None:
-        """Collective: model + optimizer state in DeepSpeed's layout under path/TAG (one file per rank)."""
+    def save_native(self, path: Path, tag: str) -> None:
+        """Collective: model + optimizer state in DeepSpeed's layout under path/tag (one file per rank)."""
         frozen = not all(p.requires_grad for p in self.module.parameters())
         with _without_frozen_aliases(self.engine, frozen):
-            self.engine.save_checkpoint(str(path), tag=TAG, save_latest=False, exclude_frozen_parameters=frozen)
+            self.engine.save_checkpoint(str(path), tag=tag, save_latest=False, exclude_frozen_parameters=frozen)
 
-    def load_native(self, path: Path) -> None:
-        from shardtune.checkpoint.deepspeed_files import check_pickles, weights_only_loads
-
-        # Nothing in a checkpoint may run code: DeepSpeed unpickles with weights_only=False, so the
-        # pickles are scanned first and then read with weights_only=True and an allow-list.
-        check_pickles(path / TAG)
-        with weights_only_loads(self.engine):
-            loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_lr_scheduler_states=False,
-                                                    load_module_strict=all(p.requires_grad for p in
-                                                                           self.module.parameters()))
+    def load_native(self, path: Path, tag: str) -> None:
+        """Collective: restore from path/tag. The caller guards the reads (checkpoint.deepspeed_files:
+        DeepSpeed unpickles its files freely)."""
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=tag, load_lr_scheduler_states=False,
+                                                load_module_strict=all(p.requires_grad for p in
+                                                                       self.module.parameters()))
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint at {path}")
 

@@ -14,14 +14,10 @@ from typing import Any
 import torch
 
 from shardtune.assemble import BuiltModel, assemble
-from shardtune.checkpoint.dcp import (
-    Checkpointer,
-    checkpoint_format,
-    checkpoint_root,
-    read_trainer_state,
-    resolve_checkpoint,
-)
+from shardtune.checkpoint.checkpointer import Checkpointer
+from shardtune.checkpoint.formats import make_format
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model, write_config
+from shardtune.checkpoint.layout import checkpoint_root, read_trainer_state, resolve_checkpoint
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
@@ -133,7 +129,7 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     schedule = build_scheduler(backend.optimizer, cfg.optim, total_steps)
     dtype = SAVE_DTYPES[save_dtype(cfg)]
     ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(path, built, hf_config, tokenizer, dtype),
-                        checkpoint_format(backend))
+                        make_format(spec.checkpoint_format))
     if resume:
         saved = ckpt.load(resume, backend)
         schedule.load_state_dict(saved["extra"]["scheduler"])
