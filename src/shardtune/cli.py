@@ -201,12 +201,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, list(args.overrides))
     hf_config = load_hf_config(cfg.model)
     world = resolve_nproc(args.nproc, cfg.parallel.nproc)
-    if args.emit is not None or cfg.parallel.strategy != "auto":
+    from shardtune.plan import auto_keys
+
+    if args.emit is not None or "parallel.strategy" not in auto_keys(cfg):
         from shardtune.validate import check_combination
 
         check_combination(_concrete(cfg), world)
     if args.emit is not None:
-        if cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto":
+        if auto_keys(cfg):
             raise ShardtuneError(f"--emit {args.emit}: the config leaves parallel.strategy or train.micro_batch_size "
                                  "to auto; set them (shardtune plan CONFIG shows the pick)")
         if args.emit == "deepspeed":

@@ -1,12 +1,17 @@
-"""Small file helpers every package may use: JSON-able values, durable directory entries."""
+"""Low-level helpers every package may use: JSON-able values, durable directory entries, swapping a
+finished directory into place, writing safetensors files in shards, and gathering a sharded tensor."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def jsonable(obj: Any) -> Any:
@@ -20,10 +25,69 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or new file inside `path` durable (the directory entry itself is synced)."""
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: Path, *, required: bool = True) -> None:
+    """Make a rename or new file inside `path` durable (the directory entry itself is synced). Not every file
+    system (or OS) lets a directory be fsynced: with required=False, such a failure is ignored."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if required:
+            raise
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Swap `new` into `final` so a good earlier directory is never half-overwritten."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Split tensors, in order, into files of at most max_bytes (a larger tensor gets its own file)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes:
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[str], torch.Tensor | None],
+                      max_shard_bytes: int) -> None:
+    """Write tensors, in order, into safetensors files of at most max_shard_bytes (+ index if several).
+
+    `fetch(name)` gives the CPU tensor to write, or None on a rank that only joins the collectives;
+    a rank that gets None for every tensor writes nothing.
+    """
+    from safetensors.torch import save_file
+
+    shards = plan_shards(sizes, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file, shard in zip(names, shards, strict=True):
+        buf = {name: t for name in shard if (t := fetch(name)) is not None}
+        if buf:
+            save_file(buf, str(out / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(buf, file))
+            total += sum(t.numel() * t.element_size() for t in buf.values())
+    if weight_map and len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor: its whole tensor on every rank; a plain tensor as it is (detached)."""
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 from shardtune.checkpoint.deepspeed_files import NATIVE_DIR, TAG, DeepSpeedFormat
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, write_config
+from shardtune.checkpoint.hf_export import SAVE_DTYPES
 from shardtune.checkpoint.layout import TRAINER_STATE, finalize
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, PeftConfig, TrainConfig
 from shardtune.data import Batch
 from shardtune.dist import clean_exit, init_distributed
-from shardtune.models.build import build_on_meta
+from shardtune.models.build import build_on_meta, write_config
 from shardtune.models.facts import decoder_blocks
 from shardtune.models.presets import preset_config
 from shardtune.models.tokenizer import load_tokenizer

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from shardtune.checkpoint.formats import LazyTensor, make_format, stored_format
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, replace_dir, write_config, write_safetensors
+from shardtune.checkpoint.hf_export import SAVE_DTYPES
 from shardtune.checkpoint.layout import read_trainer_state, resolve_checkpoint
 from shardtune.errors import ShardtuneError
+from shardtune.fileio import replace_dir, write_safetensors
+from shardtune.models.build import write_config
 
 
 def checkpoint_tensors(path: Path) -> dict[str, LazyTensor]:

@@ -117,9 +117,9 @@ def adapter_state(model: nn.Module, rank: int,
                   gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
     """Collective: gather every adapter tensor in full (`gather`: the backend's full_tensor; default
     the DTensor gather); rank 0 gets PEFT's saved-format state (adapter name stripped), the others None."""
-    from shardtune.checkpoint.hf_export import _gather
+    from shardtune.fileio import full_tensor
 
-    gather = gather or _gather
+    gather = gather or full_tensor
     full = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -139,7 +139,7 @@ def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: An
     """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors)."""
     from safetensors.torch import save_file
 
-    from shardtune.checkpoint.hf_export import replace_dir
+    from shardtune.fileio import replace_dir
 
     state = adapter_state(model, rank, gather)
     if rank != 0:

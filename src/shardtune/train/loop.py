@@ -16,7 +16,7 @@ import torch
 from shardtune.assemble import BuiltModel, assemble
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.formats import make_format
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model, write_config
+from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model
 from shardtune.checkpoint.layout import checkpoint_root, read_trainer_state, resolve_checkpoint
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
@@ -26,7 +26,7 @@ from shardtune.errors import ShardtuneError
 from shardtune.fileio import jsonable
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
 from shardtune.metrics.logger import MetricsLogger, log_rank0
-from shardtune.models.build import load_hf_config
+from shardtune.models.build import load_hf_config, write_config
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend
 from shardtune.parallel.base import Backend
