@@ -369,7 +369,7 @@ def test_missing_deepspeed_is_refused_with_the_install_command(monkeypatch):
     finally:
         deepspeed_import_error.cache_clear()
     message = str(info.value)
-    assert "import deepspeed failed" in message and "pip install 'shardtune[deepspeed]'" in message
+    assert "import deepspeed failed" in message and "pip install -e '.[deepspeed]'" in message
     assert "\n" not in message
 
 
