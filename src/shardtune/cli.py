@@ -170,8 +170,11 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> in
     code = 0
     try:
         from shardtune.train.loop import run_training
+        from shardtune.validate import check_worker
 
-        run_training(load_config(config, overrides), overwrite=overwrite)
+        cfg = load_config(config, overrides)
+        check_worker(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        run_training(cfg, overwrite=overwrite)
     except ShardtuneError as err:
         # Every rank usually hits the same input error. torchrun stops all workers when the first
         # one exits, so the other ranks give rank 0 time to print the one line and exit first.
@@ -217,12 +220,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, list(args.overrides))
     hf_config = load_hf_config(cfg.model)
     world = resolve_nproc(args.nproc, cfg.parallel.nproc)
-    if args.emit is not None or cfg.parallel.strategy != "auto":
+    from shardtune.plan import auto_keys
+
+    if args.emit is not None or "parallel.strategy" not in auto_keys(cfg):
         from shardtune.validate import check_combination
 
         check_combination(_concrete(cfg), world)
     if args.emit is not None:
-        if cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto":
+        if auto_keys(cfg):
             raise ShardtuneError(f"--emit {args.emit}: the config leaves parallel.strategy or train.micro_batch_size "
                                  "to auto; set them (shardtune plan CONFIG shows the pick)")
         if args.emit == "deepspeed":
@@ -273,23 +278,11 @@ def _concrete(cfg: Any, plan: Any = None) -> Any:
 
 
 def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
-    """What a run of this config does, as (item, description) rows. (The planner with memory estimates
-    grows here.)"""
-    from shardtune.parallel.ds_config import STAGES
+    """What a run of this config does, as (item, description) rows; the backend describes its engine.
+    (The planner with memory estimates grows here.)"""
+    from shardtune.parallel import describe
 
     p, t = cfg.parallel, cfg.train
-    if p.backend == "deepspeed":
-        engine = f"DeepSpeed ZeRO stage {STAGES[p.strategy]}"
-    elif p.strategy == "ddp":
-        engine = "torch DDP (replicated)"
-    elif p.strategy == "hsdp":
-        from shardtune.parallel.fsdp2 import hsdp_shard_size
-
-        shard = hsdp_shard_size(p, world, world)  # checked by check_combination before this runs
-        engine = f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard " \
-                 f"{shard}) mesh"
-    else:
-        engine = f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"
     offload = {"none": "none", "optimizer": "optimizer states", "params": "parameters and optimizer states"}[p.offload]
     if p.offload != "none":
         offload += f" to NVMe at {p.offload_nvme_path}" if p.offload_nvme_path else " to CPU memory"
@@ -298,7 +291,7 @@ def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
         ("model", f"{hf_config.model_type} ({cfg.model.path or 'preset ' + str(cfg.model.preset)}), "
                   f"decoder block {block_class(hf_config, cfg.model.attn_implementation)}"),
         ("backend", p.backend),
-        ("strategy", f"{p.strategy}: {engine}"),
+        ("strategy", f"{p.strategy}: {describe(cfg, world)}"),
         ("offload", offload),
         ("precision", f"{t.precision}, activation checkpointing {p.activation_checkpointing}"
                       + (", compile" if p.compile else "")),
@@ -323,41 +316,22 @@ def block_class(hf_config: Any, attn_implementation: str = "sdpa") -> str:
 def _emit_deepspeed(cfg: Any, world: int) -> None:
     import json
 
-    from shardtune.parallel.ds_config import trainer_arguments, trainer_deepspeed_config
+    from shardtune.parallel.ds_config import for_trainer
 
-    if cfg.parallel.backend != "deepspeed":
-        raise ShardtuneError(f"--emit deepspeed: parallel.backend is {cfg.parallel.backend}; add "
-                             "parallel.backend=deepspeed (the config describes a DeepSpeed run)")
-    ds = trainer_deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, world)
+    ds, hint = for_trainer(cfg, world)
     print(json.dumps(ds, indent=2))
-    kwargs = trainer_arguments(cfg.parallel, cfg.train, cfg.optim)
-    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    hint = (f"# matching TrainingArguments (launch {world} processes, e.g. torchrun --nproc-per-node {world}):\n"
-            f"#   TrainingArguments(output_dir=..., deepspeed='ds_config.json', {args})")
-    if cfg.parallel.offload != "none" and cfg.optim.weight_decay > 0:
-        hint += ("\n# note: with offload the config names DeepSpeed's AdamW (DeepSpeedCPUAdam), which decays every "
-                 "weight, norms and biases too; shardtune and Trainer's own AdamW leave those out")
-    if cfg.optim.schedule == "linear" and cfg.optim.min_lr_ratio > 0:
-        hint += "\n# note: Trainer's linear schedule decays to 0; optim.min_lr_ratio has no TrainingArguments form"
     print(hint, file=sys.stderr)
 
 
 def _emit_accelerate(cfg: Any, hf_config: Any, world: int) -> None:
     import yaml
 
-    from shardtune.parallel.ds_config import accelerate_config
+    from shardtune.parallel.ds_config import for_accelerate
 
-    fsdp = cfg.parallel.backend == "fsdp2" and cfg.parallel.strategy != "ddp"
-    block = block_class(hf_config, cfg.model.attn_implementation) if fsdp else None
-    out = accelerate_config(cfg.parallel, cfg.train, world, block, None, max_grad_norm=cfg.optim.max_grad_norm)
+    out, notes = for_accelerate(cfg, world, lambda: block_class(hf_config, cfg.model.attn_implementation))
     print(yaml.safe_dump(out, sort_keys=False), end="")
-    if cfg.parallel.backend == "deepspeed" and cfg.deepspeed:
-        print("# note: the deepspeed section has no inline accelerate form; use `--emit deepspeed > ds.json` and "
-              "deepspeed_config: {deepspeed_config_file: ds.json}", file=sys.stderr)
-    if cfg.parallel.backend == "deepspeed" and cfg.parallel.offload != "none":
-        print("# note: with offload, DeepSpeed accepts only its own optimizers unless the config says "
-              "zero_force_ds_cpu_optimizer: false (as `--emit deepspeed` does); use "
-              "deepspeed.ops.adam.DeepSpeedCPUAdam, or that file", file=sys.stderr)
+    for note in notes:
+        print(note, file=sys.stderr)
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:

@@ -23,10 +23,15 @@ class DistContext:
         return self.rank == 0
 
 
+def device_type() -> str:
+    """"cuda" on a machine with a GPU, else "cpu": the device every process of a run here trains on."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def init_distributed() -> DistContext:
     """Join the torchrun process group (NCCL on GPUs, gloo on CPU); a lone process forms a group of 1."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import sys
 from pathlib import Path
 from typing import Any
 
+from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.config import Config, load_config
 from shardtune.errors import ShardtuneError
 
@@ -15,15 +13,16 @@ from shardtune.errors import ShardtuneError
 def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = None, quiet: bool = False,
              nnodes: int = 1, hardware: Any = None, force: bool = False, overwrite: bool = False) -> Config:
     """Check config, model, tokenizer and data (tokenised into the cache, so the workers that follow
-    find it there), that one global batch fits the data, and that the run's final model/adapter folder
+    find it there), that one global batch fits the data, that a checkpoint to resume from suits the
+    run (`nnodes` nodes of the processes `nproc_flag` gives), and that the run's final model/adapter folder
     may be written (`overwrite`: train --overwrite). With quiet=False print a report.
     With `hardware` (the local GPU, or one named with --gpu) the planner refuses a run predicted not to fit
     (unless `force`); `auto` strategy / micro-batch are replaced by its pick. Returns the resolved config.
     Raises ShardtuneError (exit code 2) on the first problem."""
+    from shardtune.dist import device_type
     from shardtune.launch import resolve_nproc
     from shardtune.models.build import load_hf_config
-    from shardtune.models.tokenizer import load_tokenizer
-    from shardtune.train.loop import check_vocab
+    from shardtune.models.tokenizer import check_vocab, load_tokenizer
 
     cfg = load_config(path, overrides)
     hf_config = load_hf_config(cfg.model)
@@ -40,18 +39,17 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     if nnodes < 1:
         raise ShardtuneError(f"--nnodes {nnodes}: expected a positive integer")
     plan = None
-    if hardware is not None or cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto":
+    from shardtune.plan import auto_keys
+
+    if hardware is not None or auto_keys(cfg):
         from shardtune.plan import resolve_auto
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
-    check_combination(cfg, world)
+    check_combination(cfg, world, device=device_type())
     check_final_dir(cfg, overwrite)
     tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(tokenizer, hf_config)
-    if cfg.checkpoint.resume not in (None, "auto"):
-        from shardtune.checkpoint.dcp import resolve_checkpoint
-
-        resolve_checkpoint(cfg.checkpoint.resume)  # a named checkpoint must exist and be complete
+    check_resume(cfg, world * nnodes)
     if quiet and plan is not None:
         from shardtune.plan import describe
 
@@ -72,190 +70,36 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     return cfg
 
 
-def check_final_dir(cfg: Config, overwrite: bool = False) -> None:
-    """The folder a finished run writes (OUTPUT_DIR/model, or adapter with LoRA) must be new, empty or an
-    earlier one of shardtune's of the same kind, unless --overwrite: checked before training, not after it."""
-    from shardtune.checkpoint.outdir import check_output_dir
+def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None) -> None:
+    """Settings that cannot work together (parallel.check_combination), refused before any process starts."""
+    from shardtune.parallel import check_combination as check
 
-    if not cfg.checkpoint.save_final:
+    check(cfg, world, device=device)
+
+
+def check_worker(cfg: Config, world: int) -> None:
+    """The checks of `validate` that need no data, again in each worker: a run that torchrun started
+    directly (`torchrun -m shardtune train ...`) had no launcher to run `validate` first. `world`: all
+    processes."""
+    from shardtune.dist import device_type
+    from shardtune.plan import auto_keys
+
+    if not auto_keys(cfg):  # else the loop's planner resolves `auto`, and it picks only combinations that run
+        check_combination(cfg, device=device_type())
+    check_resume(cfg, world)
+
+
+def check_resume(cfg: Config, world: int) -> None:
+    """A checkpoint the run resumes from (`checkpoint.resume`) must exist, be complete, and be one this
+    backend can resume on `world` processes (all nodes)."""
+    from shardtune.checkpoint.formats import check_resumable
+    from shardtune.checkpoint.layout import checkpoint_root, resolve_checkpoint
+
+    if not cfg.checkpoint.resume:
         return
-    kind = "adapter" if cfg.peft.method != "none" else "model"
-    check_output_dir(Path(cfg.train.output_dir) / kind, kind, overwrite=overwrite,
-                     fix="use another --output-dir, or add --overwrite to `shardtune train` to replace it and "
-                         "everything in it")
-
-
-def check_combination(cfg: Config, world: int | None = None) -> None:
-    """Settings that cannot work together, refused before any process starts. With `world` (processes),
-    also the DeepSpeed config the deepspeed backend would build (conflicts with the `deepspeed:` section)."""
-    from shardtune.peft.optim8bit import adamw8bit_available
-    from shardtune.peft.qlora import nf4_available
-
-    _check_backend(cfg)
-    if cfg.peft.method != "none" and (failed := peft_import_error()) is not None:
-        raise ShardtuneError(f"peft.method: {cfg.peft.method} needs the peft package (import peft failed: {failed}); "
-                             f"pip install -e '.[peft]' in the shardtune checkout (or pip install peft), or use "
-                             f"peft.method=none")
-    if cfg.peft.method == "qlora" and not nf4_available():
-        raise ShardtuneError("peft.method: qlora needs torchao (NF4 weights that FSDP2 can shard); "
-                             "pip install -e '.[qlora]' in the shardtune checkout")
-    if cfg.peft.method == "qlora" and cfg.peft.use_dora:
-        raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
-                             "offer here; use peft.method=lora with DoRA, or qlora without it")
-    base, precision = cfg.peft.base_dtype, cfg.train.precision
-    if cfg.peft.method != "none" and base not in ("auto", "fp32", precision):
-        raise ShardtuneError(f"peft.base_dtype: {base} base weights with train.precision={precision} would meet "
-                             f"{precision} activations in the matmuls; set peft.base_dtype=auto (or fp32), or "
-                             f"train.precision={base}")
-    if cfg.optim.name == "adamw8bit" and not adamw8bit_available():
-        raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
-                             "pip install -e '.[qlora]' in the shardtune checkout")
-    if world is not None and cfg.parallel.strategy == "hsdp":
-        from shardtune.parallel.fsdp2 import hsdp_shard_size
-
-        hsdp_shard_size(cfg.parallel, world, world)  # `world` here: the processes per node
-    if cfg.parallel.backend == "deepspeed":
-        ds = None
-        if world is not None:
-            from shardtune.parallel.ds_config import deepspeed_config
-
-            ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, world)  # conflicts: ConfigError
-        failed = deepspeed_import_error()
-        if failed is not None:
-            raise ShardtuneError(f"parallel.backend: deepspeed needs the deepspeed package (import deepspeed failed: "
-                                 f"{failed}); pip install -e '.[deepspeed]' in the shardtune checkout, or use "
-                                 "parallel.backend=fsdp2")
-        if ds is not None:
-            check_deepspeed_accepts(ds)
-
-
-def check_deepspeed_accepts(ds: dict[str, Any]) -> None:
-    """DeepSpeed's own config parser on the merged config, so a misspelt key of the `deepspeed:` section stops
-    the run here and not after every process has started."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from pydantic import ValidationError
-
-    # Outside a process group DeepSpeedConfig checks the batch sizes against a world of 1.
-    probe = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            DeepSpeedConfig(probe)
-    except ValidationError as err:
-        e = err.errors()[0]
-        where = ".".join(str(part) for part in e["loc"]) or "config"
-        raise ShardtuneError(f"deepspeed: DeepSpeed refuses the config ({err.title}): {where}: {e['msg']}; fix or "
-                             "remove it in the deepspeed section") from None
-    except (AssertionError, ValueError, TypeError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ShardtuneError(f"deepspeed: DeepSpeed refuses the config: {first}; fix it in the deepspeed section") \
-            from None
-
-
-def _check_backend(cfg: Config) -> None:
-    """Strategy, offload and feature combinations each backend can or cannot run (no imports, no GPU)."""
-    p = cfg.parallel
-    fsdp2 = p.backend == "fsdp2"
-    if not fsdp2 and p.strategy == "hsdp":
-        raise ShardtuneError("parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; set it, "
-                             "or use parallel.strategy=zero3 with deepspeed")
-    if p.shard_size != "auto" and p.strategy != "hsdp":
-        raise ShardtuneError(f"parallel.shard_size: set, but parallel.strategy is {p.strategy} (only hsdp shards "
-                             "within groups); set parallel.strategy=hsdp, or remove shard_size")
-    if fsdp2 and p.strategy == "zero1":
-        raise ShardtuneError("parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
-                             "set parallel.backend=deepspeed, or use parallel.strategy=zero2 with fsdp2")
-    if fsdp2 and p.offload != "none":
-        raise ShardtuneError(f"parallel.offload: {p.offload} offload is DeepSpeed ZeRO-Offload, which backend fsdp2 "
-                             "does not have; set parallel.backend=deepspeed, or parallel.offload=none")
-    if p.offload == "params" and p.strategy != "zero3":
-        raise ShardtuneError(f"parallel.offload: params offloads parameters, which only zero3 partitions (strategy is "
-                             f"{p.strategy}); set parallel.strategy=zero3, or parallel.offload=optimizer")
-    if p.offload == "optimizer" and p.strategy == "ddp":
-        raise ShardtuneError("parallel.offload: optimizer offload moves sharded optimizer states, and ddp shards "
-                             "none; set parallel.strategy=zero1, zero2 or zero3, or parallel.offload=none")
-    if p.offload_nvme_path is not None:
-        if p.offload == "none":
-            raise ShardtuneError("parallel.offload_nvme_path: set, but parallel.offload is none (nothing to put "
-                                 "there); set parallel.offload=optimizer or params, or remove offload_nvme_path")
-        if p.strategy != "zero3":
-            raise ShardtuneError(f"parallel.offload_nvme_path: NVMe offload needs parallel.strategy=zero3 (DeepSpeed's "
-                                 f"{p.strategy} would keep the states in CPU memory instead); set "
-                                 "parallel.strategy=zero3, or remove offload_nvme_path to offload to CPU memory")
-        if not Path(p.offload_nvme_path).is_dir():
-            what = "is not a folder" if Path(p.offload_nvme_path).exists() else "does not exist"
-            raise ShardtuneError(f"parallel.offload_nvme_path: {p.offload_nvme_path!r} {what}; create the folder "
-                                 "on a local NVMe drive, or fix the path")
-        if p.backend == "deepspeed" and not _async_io_available():
-            raise ShardtuneError("parallel.offload_nvme_path: NVMe offload needs libaio for DeepSpeed's async I/O op; "
-                                 "install it (apt-get install libaio-dev, or yum install libaio-devel), or remove "
-                                 "offload_nvme_path to offload to CPU memory")
-    if p.backend == "deepspeed" and cfg.peft.method == "qlora":
-        raise ShardtuneError("peft.method: qlora needs parallel.backend=fsdp2 (its torchao NF4 weights shard under "
-                             "FSDP2 only); set parallel.backend=fsdp2, or use peft.method=lora with deepspeed")
-    if p.backend == "deepspeed" and cfg.optim.name == "adamw8bit":
-        raise ShardtuneError("optim.name: adamw8bit needs parallel.backend=fsdp2 (its torchao 8-bit states follow "
-                             "FSDP2's sharded parameters); use optim.name=adamw with deepspeed (parallel.offload="
-                             "optimizer also saves GPU memory), or parallel.backend=fsdp2")
-    if fsdp2 and cfg.optim.fused is True:
-        from shardtune.parallel.fsdp2 import uses_sharded_scaler
-
-        if uses_sharded_scaler(p, cfg.train.precision):
-            raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
-                                 "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
-                                 "(foreach AdamW then), or train.precision=bf16")
-    if fsdp2 and cfg.deepspeed:
-        raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
-                             "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
-    if p.backend == "deepspeed" and p.strategy == "zero3" and p.compile:
-        raise ShardtuneError("parallel.compile: torch.compile is not supported with DeepSpeed zero3 here (its "
-                             "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "
-                             "parallel.backend=fsdp2")
-
-
-@functools.lru_cache(maxsize=1)
-def peft_import_error() -> str | None:
-    """None if `import peft` works, else why not (one line): LoRA and QLoRA are built on it, and a worker
-    that found it missing would fail only after every process had started."""
-    try:
-        import peft  # noqa: F401
-    except Exception as err:  # ImportError, or a broken install failing in its own way
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return f"{type(err).__name__}: {first}" if first else type(err).__name__
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def deepspeed_import_error() -> str | None:
-    """None if `import deepspeed` works, else why not (one line).
-
-    DeepSpeed's logger writes to stdout, and its accelerator probe logs while importing ("Setting accelerator
-    to CPU" on machines without a GPU). That chatter is dropped and the logger pointed at stderr, so stdout stays
-    for what shardtune prints there (`shardtune plan --emit ...`) and a refused config stays one line."""
-    import io
-    import logging
-
-    chatter = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(chatter):
-            import deepspeed  # noqa: F401
-    except Exception as err:  # a broken install fails in many ways (ImportError, RuntimeError from an op builder)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return f"{type(err).__name__}: {first}" if first else type(err).__name__
-    finally:
-        for handler in logging.getLogger("DeepSpeed").handlers:  # the handler DeepSpeed made during this import
-            if isinstance(handler, logging.StreamHandler) and handler.stream is chatter:
-                handler.setStream(sys.stderr)
-    return None
-
-
-def _async_io_available() -> bool:
-    """Whether DeepSpeed's async I/O op (NVMe offload) can be built here: it needs libaio."""
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        return bool(AsyncIOBuilder().is_compatible(verbose=False))
-    except Exception:  # deepspeed missing or its probe failing: the import check reports the former
-        return False
+    path = resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg.checkpoint, cfg.train.output_dir))
+    if path is not None:
+        check_resumable(path, cfg.parallel.backend, world)
 
 
 def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any = None) -> None:

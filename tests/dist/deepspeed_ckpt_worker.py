@@ -15,8 +15,8 @@ checkpoints rank 0 writes OUT_DIR/VARIANT/reference.safetensors: the logits of a
 through the backend at save time ("logits"), every trainable parameter as the backend holds it
 (gathered under ZeRO-3; in the compute dtype, e.g. bf16 module copies for bf16 runs), and the logits
 after one more step ("logits_moved") and again after DeepSpeed re-read the checkpoint through
-backend.load_native inside deepspeed_files.weights_only_loads ("logits_reloaded"; every torch.load
-it made had weights_only=True).
+DeepSpeedFormat.read (pickles checked, backend.load_native inside weights_only_loads)
+("logits_reloaded"; every torch.load it made had weights_only=True).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint.dcp import TRAINER_STATE, finalize
-from shardtune.checkpoint.deepspeed_files import weights_only_loads
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, write_config
+from shardtune.checkpoint.deepspeed_files import NATIVE_DIR, TAG, DeepSpeedFormat
+from shardtune.checkpoint.hf_export import SAVE_DTYPES
+from shardtune.checkpoint.layout import TRAINER_STATE, finalize
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, PeftConfig, TrainConfig
 from shardtune.data import Batch
 from shardtune.dist import clean_exit, init_distributed
-from shardtune.models.build import build_on_meta
+from shardtune.models.build import build_on_meta, write_config
 from shardtune.models.facts import decoder_blocks
 from shardtune.models.presets import preset_config
 from shardtune.models.tokenizer import load_tokenizer
@@ -42,6 +42,8 @@ from shardtune.models.weights import make_source
 from shardtune.parallel.deepspeed import DeepSpeedBackend
 from shardtune.parallel.ds_config import deepspeed_config
 from shardtune.peft.lora import LoraSource, apply_lora
+from shardtune.train.loss import token_loss_sum
+from shardtune.train.optim import OptimizerFactory, build_scheduler
 
 STEPS, MICRO, SEQ = 2, 2, 16
 PEFT = PeftConfig(method="lora", r=4, alpha=8.0)
@@ -70,15 +72,22 @@ def make_variant(out: Path, variant: str, ctx) -> None:
     parallel = ParallelConfig(backend="deepspeed", strategy=strategy, offload=offload)
     train = TrainConfig(precision=precision, micro_batch_size=MICRO, grad_accum=1)
     ds = deepspeed_config(parallel, train, OptimConfig(), {}, ctx.world)
-    backend = DeepSpeedBackend(parallel, precision, ctx, ds)
+    backend = DeepSpeedBackend(parallel, precision, ctx, ds, token_loss_sum)
     lr = 1e-2 if kind == "lora" else 1e-3
-    backend.setup(model, decoder_blocks(model, hf.model_type), source, OptimConfig(warmup_steps=1), lr, 10)
+    optim = OptimConfig(warmup_steps=1)
+    backend.setup(model, decoder_blocks(model, hf.model_type), source, OptimizerFactory(optim, lr))
+    schedule = build_scheduler(backend.optimizer, optim, 10)
+
+    def step() -> None:  # what the training loop does after its micro-batches
+        backend.step()
+        if backend.step_applied:
+            schedule.step()
     g = torch.Generator().manual_seed(ctx.rank)
     norm = torch.tensor(float(MICRO * ctx.world * (SEQ - 1)))
     for _ in range(STEPS):
         x = torch.randint(4, 500, (MICRO, SEQ), generator=g)
         backend.forward_backward(Batch(input_ids=x, attention_mask=torch.ones_like(x), labels=x.clone()), norm)
-        backend.step()
+        step()
 
     root = out / variant / "checkpoints"
     tmp = root / f".step-{STEPS:08d}.tmp"
@@ -94,7 +103,7 @@ def make_variant(out: Path, variant: str, ctx) -> None:
         if model is not base:
             model.peft_config["default"].save_pretrained(str(tmp / "hf"))
     dist.barrier()
-    backend.save_native(tmp / "deepspeed")
+    backend.save_native(tmp / NATIVE_DIR, TAG)
 
     # The reference: what the backend holds at save time.
     backend.train(False)
@@ -110,7 +119,7 @@ def make_variant(out: Path, variant: str, ctx) -> None:
     backend.train(True)
     x1 = torch.randint(4, 500, (MICRO, SEQ), generator=g)
     backend.forward_backward(Batch(input_ids=x1, attention_mask=torch.ones_like(x1), labels=x1.clone()), norm)
-    backend.step()
+    step()
     backend.train(False)
     with torch.no_grad():
         moved = backend.forward(Batch(input_ids=x, attention_mask=torch.ones_like(x), labels=x.clone()))
@@ -124,8 +133,7 @@ def make_variant(out: Path, variant: str, ctx) -> None:
 
     torch.load = spy
     try:
-        with weights_only_loads(backend.engine):
-            backend.load_native(tmp / "deepspeed")
+        DeepSpeedFormat().read(backend, tmp)  # what a resume runs: pickles checked, reads weights_only
     finally:
         torch.load = real_load
     assert seen and all(seen), seen

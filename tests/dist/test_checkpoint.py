@@ -19,8 +19,8 @@ import pytest
 import torch
 from conftest import ROOT, _env, shardtune
 
-from shardtune.checkpoint.dcp import SafeReader, complete_checkpoints, is_complete, resolve_checkpoint, verify
-from shardtune.checkpoint.export import read_tensor
+from shardtune.checkpoint.dcp_files import SafeReader, read_tensor
+from shardtune.checkpoint.layout import complete_checkpoints, is_complete, resolve_checkpoint, verify
 
 pytestmark = pytest.mark.dist
 
@@ -253,7 +253,7 @@ def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache, cli):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardtune.checkpoint.export import model_tensors
+    from shardtune.checkpoint.dcp_files import model_tensors
     from shardtune.models.init_model import init_model
 
     base_dir = init_model(tmp_path / "base", "tiny-llama")

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, max_diff, shardtune, worker_results
 
-from shardtune.validate import _async_io_available
+from shardtune.parallel.deepspeed import async_io_available
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("deepspeed")
 
 # NVMe offload needs DeepSpeed's async I/O op, built on first use against libaio (.ci/run installs it).
-NVME = _async_io_available()
+NVME = async_io_available()
 NO_LIBAIO = "libaio is not installed here (.ci/run installs it): DeepSpeed's async I/O op cannot build"
 DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero2:ds:offload", "zero3:ds:offparams",
            "zero3:ds:nvme"]

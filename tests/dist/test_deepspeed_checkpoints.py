@@ -20,7 +20,8 @@ import torch
 from conftest import ROOT, Payload, shardtune, torchrun
 
 from shardtune.checkpoint.deepspeed_files import ALLOWED_GLOBALS, STATE_DIR, check_pickles, deepspeed_model_tensors
-from shardtune.checkpoint.export import checkpoint_format, export_checkpoint
+from shardtune.checkpoint.export import export_checkpoint
+from shardtune.checkpoint.formats import stored_format
 from shardtune.errors import ShardtuneError
 
 pytestmark = pytest.mark.dist
@@ -71,7 +72,7 @@ def test_real_checkpoints_pass_the_pickle_check(ckpts):
     used: set[str] = set()
     for variant in VARIANTS:
         step = ckpts / variant / STEP
-        assert checkpoint_format(step) == "deepspeed"
+        assert stored_format(step) == "deepspeed"
         check_pickles(step / STATE_DIR)
         for f in (step / STATE_DIR).glob("*.pt"):
             used.update(torch.serialization.get_unsafe_globals_in_checkpoint(f))

@@ -12,14 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardtune.checkpoint.dcp import (
-    complete_checkpoints,
-    finalize,
-    is_complete,
-    load_state,
-    resolve_checkpoint,
-    verify,
-)
+from shardtune.checkpoint.dcp_files import load_state
+from shardtune.checkpoint.layout import complete_checkpoints, finalize, is_complete, resolve_checkpoint, verify
 from shardtune.errors import ShardtuneError
 
 
@@ -118,7 +112,7 @@ def test_the_async_stager_keeps_its_host_buffers_from_one_save_to_the_next():
     fails the next save; replaced, it allocates (on GPUs: pins) the whole state again for every save.
     The checkpointer's stager survives that close: the second staging copies into the first one's
     buffers, and a reused stager still stages anything a state dict holds."""
-    from shardtune.checkpoint.dcp import kept_stager
+    from shardtune.checkpoint.dcp_files import kept_stager
 
     stager = kept_stager(gpu=False)
     assert stager is not None, "this torch has DCP's DefaultStager; the checkpointer must get a stager"
@@ -139,7 +133,7 @@ def test_the_async_stager_keeps_its_host_buffers_from_one_save_to_the_next():
 
 def test_the_dcp_writer_puts_the_checkpoint_in_place_when_dcp_finishes(tmp_path):
     """The manifest and the rename happen in DCP's finish, where a writer process runs them."""
-    from shardtune.checkpoint.dcp import ManifestWriter
+    from shardtune.checkpoint.dcp_files import ManifestWriter
 
     tmp, final = tmp_path / ".step-00000003.tmp", tmp_path / "step-00000003"
     writer = ManifestWriter(tmp, final, {"step": 3, "world_size": 1, "format": "dcp"})
@@ -156,7 +150,7 @@ def test_the_dcp_writer_puts_the_checkpoint_in_place_when_dcp_finishes(tmp_path)
 
 
 def test_the_stager_for_a_writer_process_stages_into_shared_memory():
-    from shardtune.checkpoint.dcp import kept_stager
+    from shardtune.checkpoint.dcp_files import kept_stager
 
     stager = kept_stager(gpu=False, shared=True)
     try:

@@ -9,8 +9,9 @@ import pytest
 from shardtune.config import ConfigError, config_from_dict, dump_config, load_config
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import ds_config
+from shardtune.parallel.deepspeed import async_io_available, check_deepspeed_accepts, deepspeed_import_error
 from shardtune.parallel.ds_config import accelerate_config, deepspeed_config, trainer_deepspeed_config
-from shardtune.validate import _async_io_available, check_combination, check_deepspeed_accepts, deepspeed_import_error
+from shardtune.validate import check_combination
 
 BASE = {"model": {"preset": "tiny-llama"}, "data": {"train_file": "examples/data/tasks.jsonl"}}
 
@@ -344,15 +345,15 @@ def test_check_combination_refusals(overrides, raw, fragments):
     ["parallel.backend=deepspeed", "parallel.strategy=zero2", "train.precision=fp16", "optim.fused=true"],
 ])
 def test_check_combination_accepts(overrides):
-    if any("nvme" in o for o in overrides) and not _async_io_available():
+    if any("nvme" in o for o in overrides) and not async_io_available():
         pytest.skip("libaio is not installed here (.ci/run installs it): DeepSpeed's async I/O op cannot build")
     check_combination(_cfg(*overrides), world=2)
 
 
 def test_nvme_offload_without_libaio_is_refused_with_the_install_command(monkeypatch, tmp_path):
-    import shardtune.validate as validate
+    from shardtune.parallel import deepspeed
 
-    monkeypatch.setattr(validate, "_async_io_available", lambda: False)  # a machine without libaio
+    monkeypatch.setattr(deepspeed, "async_io_available", lambda: False)  # a machine without libaio
     with pytest.raises(ShardtuneError) as info:
         check_combination(_cfg("parallel.backend=deepspeed", "parallel.strategy=zero3", "parallel.offload=params",
                                f"parallel.offload_nvme_path={tmp_path}"), world=2)
@@ -368,7 +369,7 @@ def test_missing_deepspeed_is_refused_with_the_install_command(monkeypatch):
     finally:
         deepspeed_import_error.cache_clear()
     message = str(info.value)
-    assert "import deepspeed failed" in message and "pip install 'shardtune[deepspeed]'" in message
+    assert "import deepspeed failed" in message and "pip install -e '.[deepspeed]'" in message
     assert "\n" not in message
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from shardtune.checkpoint import hf_export
-from shardtune.checkpoint.hf_export import plan_shards, save_hf_model
+from shardtune.checkpoint.hf_export import save_hf_model
+from shardtune.fileio import plan_shards
 from shardtune.models.build import build_on_meta
 from shardtune.models.presets import preset_config
 from shardtune.models.tokenizer import load_tokenizer

@@ -201,8 +201,8 @@ def test_adapter_export_of_an_older_checkpoint_leaves_out_the_tied_lm_head(run, 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from shardtune.checkpoint.dcp import finalize, resolve_checkpoint
     from shardtune.checkpoint.export import checkpoint_tensors
+    from shardtune.checkpoint.layout import finalize, resolve_checkpoint
     from shardtune.models.init_model import init_model
 
     step = resolve_checkpoint(str(run))

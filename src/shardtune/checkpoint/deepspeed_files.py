@@ -1,5 +1,9 @@
-"""DeepSpeed-format checkpoints (the deepspeed backend's `STEP/deepspeed/state/`): a pickle check before
-anything reads them, and a streaming reader of the consolidated fp32 model for `shardtune export`.
+"""DeepSpeed-format checkpoints (the deepspeed backend's `STEP/deepspeed/state/`): the format (DeepSpeedFormat:
+the engine writes and reads its own files), a pickle check before anything reads them, and a streaming reader
+of the consolidated fp32 model for `shardtune export`.
+
+The layout, spelled here only: STEP/NATIVE_DIR is the folder the engine saves into, with one DeepSpeed tag
+(TAG) per shardtune checkpoint, so its files lie in STEP/STATE_DIR.
 
 check_pickles
     DeepSpeed loads its .pt files with torch.load(weights_only=False): a planted pickle runs code at
@@ -47,15 +51,67 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
+from shardtune.checkpoint.formats import LazyTensor, Written
+from shardtune.checkpoint.layout import finalize
 from shardtune.errors import ShardtuneError
 
-STATE_DIR = Path("deepspeed") / "state"  # under a step directory: save_native(step/"deepspeed") with tag "state"
+if TYPE_CHECKING:
+    from shardtune.config import CheckpointConfig
+    from shardtune.dist import DistContext
+
+NATIVE_DIR = "deepspeed"  # under a step directory: where the engine saves (format "deepspeed" in the manifest)
+TAG = "state"  # one DeepSpeed tag per shardtune checkpoint directory
+STATE_DIR = Path(NATIVE_DIR) / TAG  # the engine's files, under a step directory
+
+
+class DeepSpeedFormat:
+    """The deepspeed backend's engine files (`backend.save_native` / `load_native`): DeepSpeed's partitioned
+    optimizer state does not reshard on load, and the engine writes synchronously."""
+
+    name = "deepspeed"
+    reshardable = False
+    asynchronous = False
+
+    def start(self, cfg: CheckpointConfig, ctx: DistContext, root: Path) -> None:
+        self.is_main = ctx.is_main
+        self.warn_async = cfg.async_save and ctx.is_main  # at the first save
+
+    def write(self, backend: Any, tmp: Path, final: Path, info: dict[str, Any]) -> Written:
+        if self.warn_async:
+            print("warning: checkpoint.async is ignored by the deepspeed backend; checkpoints are written "
+                  "synchronously", flush=True)
+            self.warn_async = False
+        backend.save_native(tmp / NATIVE_DIR, TAG)  # collective: one model and one optimizer file per rank
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        if self.is_main:
+            finalize(tmp, final, info)
+        return Written()
+
+    def read(self, backend: Any, path: Path) -> None:
+        # Nothing in a checkpoint may run code: DeepSpeed unpickles with weights_only=False, so the
+        # pickles are scanned first and then read with weights_only=True and an allow-list.
+        check_pickles(path / STATE_DIR)
+        with weights_only_loads(backend.engine):
+            backend.load_native(path / NATIVE_DIR, TAG)
+
+    def resume_on(self, path: Path, saved_world: int, world: int) -> None:
+        if saved_world != world:
+            raise ShardtuneError(f"checkpoint {path} is a DeepSpeed checkpoint of {saved_world} processes; DeepSpeed "
+                                 f"resumes on the same number only: use --nproc {saved_world} (or the fsdp2 backend, "
+                                 "whose checkpoints reshard to any count)")
+
+    def tensors(self, path: Path) -> dict[str, LazyTensor]:
+        return deepspeed_model_tensors(path)
+
+    def close(self) -> None:
+        pass
 
 # Globals real DeepSpeed checkpoints pickle beyond torch's own weights_only allow-list (tensors,
 # storages, dtypes, OrderedDict, ...). Found by scanning checkpoints of stages 0/1/2/3 x fp32/bf16/fp16
@@ -208,19 +264,6 @@ def load_file(path: Path) -> dict[str, Any]:
 
 
 # ---- the model in a checkpoint, tensor by tensor -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LazyTensor:
-    """A tensor of a checkpoint, read only when load() is called (a new CPU tensor each time)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    load: Callable[[], torch.Tensor]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _RANK_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")

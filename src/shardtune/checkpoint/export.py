@@ -1,8 +1,8 @@
 """`shardtune export`: a resumable checkpoint -> a Hugging Face model directory, in one process.
 
-Tensors are read one at a time from the DCP shards (whatever world size wrote them), or for a
-checkpoint of the deepspeed backend (manifest "format": "deepspeed") assembled one at a time from
-the ranks' fp32 optimizer partitions (checkpoint/deepspeed_files.py), and written into safetensors
+Tensors are read one at a time by the checkpoint's format (formats.py: from the DCP shards, whatever
+world size wrote them, or for a checkpoint of the deepspeed backend assembled one at a time from the
+ranks' fp32 optimizer partitions, checkpoint/deepspeed_files.py), and written into safetensors
 files as they come, so host memory holds one tensor plus one output shard, never the model. No
 process group is needed.
 """
@@ -14,57 +14,25 @@ import json
 import math
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardtune.checkpoint.dcp import SafeReader, load_state, read_manifest, read_trainer_state, resolve_checkpoint
-from shardtune.checkpoint.deepspeed_files import LazyTensor, deepspeed_model_tensors
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, write_config, write_safetensors
+from shardtune.checkpoint.formats import LazyTensor, make_format, stored_format
+from shardtune.checkpoint.hf_export import SAVE_DTYPES
+from shardtune.checkpoint.layout import read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.outdir import check_output_dir, staged
 from shardtune.errors import ShardtuneError
+from shardtune.fileio import write_safetensors
+from shardtune.models.build import write_config
 from shardtune.peft.lora import is_adapter
-
-MODEL_PREFIX = "model."  # the checkpoint's state is {"model": ..., "optim": ...}, flattened by DCP
-
-
-def model_tensors(path: Path) -> dict[str, Any]:
-    """Parameter name -> DCP tensor metadata (shape, dtype) of the model in a checkpoint."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = SafeReader(str(path)).read_metadata()
-    return {key[len(MODEL_PREFIX):]: meta for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-
-
-def read_tensor(path: Path, key: str, meta: Any) -> torch.Tensor:
-    """One full tensor (`key` as DCP names it, e.g. model.lm_head.weight), assembled from however
-    many rank shards hold it."""
-    tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        load_state({key: tensor}, path, partial=True, no_dist=True)
-    return tensor
-
-
-def checkpoint_format(path: Path) -> str:
-    """How a complete checkpoint stores its tensors: "dcp" (the fsdp2 backend; manifests before the
-    deepspeed backend carry no format) or "deepspeed"."""
-    fmt = (read_manifest(path) or {}).get("format", "dcp")
-    if fmt not in ("dcp", "deepspeed"):
-        raise ShardtuneError(f"{path}: checkpoint format {fmt!r} is not one this shardtune reads (dcp, deepspeed)")
-    return fmt
 
 
 def checkpoint_tensors(path: Path) -> dict[str, LazyTensor]:
-    """Parameter name -> LazyTensor (shape, dtype, load()) of the model in a checkpoint of either format."""
-    if checkpoint_format(path) == "deepspeed":
-        return deepspeed_model_tensors(path)
-    return {name: LazyTensor(tuple(meta.size), meta.properties.dtype,
-                             functools.partial(read_tensor, path, MODEL_PREFIX + name, meta))
-            for name, meta in model_tensors(path).items()}
+    """Parameter name -> LazyTensor (shape, dtype, load()) of the model in a checkpoint, read by the format
+    its manifest names."""
+    return make_format(stored_format(path)).tensors(path)
 
 
 def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "auto",
@@ -184,13 +152,10 @@ def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target:
 
 def _nf4_round_trip(run: dict[str, Any], trainer: dict[str, Any]) -> Any:
     """The NF4 quantise-dequantise the QLoRA run applied to each base weight (same block sizes)."""
-    from shardtune.peft.qlora import _nf4_api, nf4_scaler_block_size
+    from shardtune.config import ParallelConfig
+    from shardtune.parallel import BACKENDS
+    from shardtune.peft.qlora import nf4_round_trip, nf4_shard_world
 
-    _, to_nf4 = _nf4_api()
-    world = 1 if run.get("parallel", {}).get("strategy") == "ddp" else int(trainer.get("world_size", 1))
-
-    def round_trip(weight: torch.Tensor) -> torch.Tensor:
-        sbs = nf4_scaler_block_size(weight.shape, math.lcm(world, 8))
-        return weight if sbs is None else to_nf4(weight.contiguous(), 64, sbs).get_original_weight().float()
-
-    return round_trip
+    parallel = ParallelConfig(**run.get("parallel", {}))
+    shards = BACKENDS[parallel.backend].param_shards(parallel, int(trainer.get("world_size", 1)))
+    return functools.partial(nf4_round_trip, shard_world=nf4_shard_world(shards))

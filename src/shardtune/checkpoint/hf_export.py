@@ -1,4 +1,5 @@
-"""Write the trained model as a Hugging Face directory, gathered one tensor at a time.
+"""Write the trained model as a Hugging Face directory (or its LoRA adapter as a PEFT one), gathered one
+tensor at a time.
 
 Every rank takes part in gathering each tensor (DTensor.full_tensor), but only rank 0 keeps it,
 and only until the current safetensors shard is written: host memory is bounded by one shard,
@@ -9,7 +10,6 @@ replaces nothing shardtune did not write (checkpoint/outdir.py).
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardtune.checkpoint.outdir import staged
+from shardtune.fileio import full_tensor, write_safetensors
+from shardtune.models.build import write_config
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,52 +36,9 @@ def export_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Split tensors, in order, into files of at most max_bytes (a larger tensor gets its own file)."""
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, size in sizes:
-        if shards[-1] and used + size > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
 def _nbytes(t: torch.Tensor, dtype: torch.dtype) -> int:
     target = dtype if t.is_floating_point() else t.dtype
     return t.numel() * target.itemsize
-
-
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[str], torch.Tensor | None],
-                      max_shard_bytes: int) -> None:
-    """Write tensors, in order, into safetensors files of at most max_shard_bytes (+ index if several).
-
-    `fetch(name)` gives the CPU tensor to write, or None on a rank that only joins the collectives;
-    a rank that gets None for every tensor writes nothing.
-    """
-    from safetensors.torch import save_file
-
-    shards = plan_shards(sizes, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    weight_map: dict[str, str] = {}
-    total = 0
-    for file, shard in zip(names, shards, strict=True):
-        buf = {name: t for name in shard if (t := fetch(name)) is not None}
-        if buf:
-            save_file(buf, str(out / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(buf, file))
-            total += sum(t.numel() * t.element_size() for t in buf.values())
-    if weight_map and len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: str | Path, *,
@@ -92,7 +50,7 @@ def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: st
     --overwrite).
 
     `gather` gives a parameter's whole tensor (the backend's `full_tensor`; default: DTensor gather)."""
-    gather = gather or _gather
+    gather = gather or full_tensor
     out_dir = Path(out_dir)
     tensors = export_tensors(module)
     # Only rank 0 touches the folder; the rule is checked at the swap, after every rank has joined the
@@ -116,22 +74,28 @@ def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: st
             dist.barrier()
 
 
-def write_config(model: nn.Module | str | None, hf_config: Any, tokenizer: Any, out: Path,
-                 dtype: torch.dtype) -> None:
-    """config.json (with architectures, dtype, special token ids), generation_config.json, tokenizer.
+def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int,
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None, *, source: str = "",
+                 overwrite: bool = False) -> None:
+    """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors),
+    with shardtune's marker naming `source`, under the rule of checkpoint/outdir.py (`overwrite`: the
+    user's --overwrite)."""
+    from safetensors.torch import save_file
 
-    `model` gives the architecture: a model, its class name, or None to keep the config's."""
-    from transformers import GenerationConfig
+    from shardtune.peft.lora import adapter_state
 
-    cfg = copy.deepcopy(hf_config)
-    if model is not None:
-        cfg.architectures = [model if isinstance(model, str) else type(model).__name__]
-    cfg.dtype = dtype
-    cfg.use_cache = True
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(tokenizer, key, None) is not None:
-            setattr(cfg, key, getattr(tokenizer, key))
-    cfg.save_pretrained(out)
-    GenerationConfig.from_model_config(cfg).save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    state = adapter_state(model, rank, gather)
+    if rank != 0:
+        return
+    if not state or not all(t.numel() for t in state.values()):
+        # The empty-adapter failure users hit with ZeRO-3 + PEFT (peft #2892): never write one.
+        raise RuntimeError(f"the adapter state is empty ({len(state or {})} tensors); refusing to save it")
+    with staged(out_dir, "adapter", source, overwrite=overwrite) as tmp:
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = model.peft_config["default"]
+        config.base_model_name_or_path = base_model
+        config.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),
+                                                       "parameters": sum(t.numel() for t in state.values())}))

@@ -16,9 +16,12 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from shardtune.errors import ShardtuneError
+
+if TYPE_CHECKING:
+    from shardtune.config import Config
 
 MARKER = ".shardtune-export.json"
 Kind = Literal["model", "adapter"]
@@ -50,6 +53,17 @@ def check_output_dir(out: Path, kind: Kind, *, overwrite: bool = False, fix: str
         raise ShardtuneError(f"{out} is a folder with files that shardtune did not write (no {MARKER}); {fix}")
     if marker.get("kind") != kind:
         raise ShardtuneError(f"{out} holds a shardtune {marker.get('kind')} export, not a {kind}; {fix}")
+
+
+def check_final_dir(cfg: Config, overwrite: bool = False) -> None:
+    """The folder a finished run writes (OUTPUT_DIR/model, or adapter with LoRA) must be new, empty or an
+    earlier one of shardtune's of the same kind, unless --overwrite: checked before training, not after it."""
+    if not cfg.checkpoint.save_final:
+        return
+    kind: Kind = "adapter" if cfg.peft.method != "none" else "model"
+    check_output_dir(Path(cfg.train.output_dir) / kind, kind, overwrite=overwrite,
+                     fix="use another --output-dir, or add --overwrite to `shardtune train` to replace it and "
+                         "everything in it")
 
 
 def staging_dir(out: Path, kind: Kind, source: str) -> Path:
@@ -107,10 +121,18 @@ def staged(out: Path, kind: Kind, source: str, *, overwrite: bool = False, check
 
 def write_marker(folder: Path, kind: Kind, source: str) -> None:
     """`folder`/.shardtune-export.json: what wrote the folder, for the next write to recognise."""
-    from shardtune import __version__
-
-    marker = {"written_by": "shardtune", "kind": kind, "source": source, "shardtune_version": __version__}
+    marker = {"written_by": "shardtune", "kind": kind, "source": source, "shardtune_version": _version()}
     (Path(folder) / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _version() -> str | None:
+    """The installed shardtune's version (the package root, which holds __version__, sits above this layer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardtune")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return None
 
 
 def replace_dir(new: Path, final: Path, kind: Kind, *, overwrite: bool = False) -> None:

@@ -43,6 +43,7 @@ import numpy as np
 
 from shardtune.data.types import BadRow, RowItem
 from shardtune.errors import ShardtuneError
+from shardtune.fileio import fsync_dir
 
 FORMAT_VERSION = 1
 HEADER_BYTES = 128  # .npy v1.0 header of any 1-D array (numpy pads the shape to 21 digits)
@@ -320,15 +321,6 @@ def _percentiles(lengths: np.ndarray) -> dict[str, int]:
     return {"p50": int(p50), "p90": int(p90), "p99": int(p99), "max": int(lengths.max())}
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every file system (or OS) lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def build_store(rows: Iterable[RowItem], encoder: Callable[[dict[str, Any]], tuple[list[int], list[bool]]],
                 directory: str | Path, *, num_proc: int, strict: bool, chunk_size: int = 1024,
                 extra_meta: dict[str, Any] | None = None,
@@ -409,14 +401,14 @@ def build_store(rows: Iterable[RowItem], encoder: Callable[[dict[str, Any]], tup
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp, required=False)
         _move_into_place(tmp, directory)
     except BaseException:
         for w in writers.values():
             w.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(directory.parent)
+    fsync_dir(directory.parent, required=False)
     return TokenStore(directory)
 
 

@@ -41,6 +41,12 @@ if TYPE_CHECKING:
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 
+def attn_implementation(model: Any) -> str:
+    """The attention kernel a built model uses (transformers' `config._attn_implementation`); it decides the
+    mask a packed batch needs (model_inputs)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+
+
 def model_inputs(batch: Batch, attn_implementation: str, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Keyword arguments for ``model(**kwargs, use_cache=False)``.
 

@@ -6,6 +6,7 @@ materialised shard by shard (see weights.py), so a large model never exists whol
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -140,3 +141,24 @@ def assert_no_meta(model: nn.Module) -> None:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"{len(left)} tensors still on the meta device after loading, e.g. {left[:3]}")
+
+
+def write_config(model: nn.Module | str | None, hf_config: Any, tokenizer: Any, out: Path,
+                 dtype: torch.dtype) -> None:
+    """config.json (with architectures, dtype, special token ids), generation_config.json, tokenizer.
+
+    `model` gives the architecture: a model, its class name, or None to keep the config's."""
+    from transformers import GenerationConfig
+
+    cfg = copy.deepcopy(hf_config)
+    if model is not None:
+        cfg.architectures = [model if isinstance(model, str) else type(model).__name__]
+    cfg.dtype = dtype
+    cfg.use_cache = True
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(tokenizer, key, None) is not None:
+            setattr(cfg, key, getattr(tokenizer, key))
+    cfg.save_pretrained(out)
+    GenerationConfig.from_model_config(cfg).save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)

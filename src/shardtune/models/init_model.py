@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from shardtune.checkpoint.hf_export import write_config, write_safetensors
 from shardtune.errors import ShardtuneError
-from shardtune.models.build import build_on_meta
+from shardtune.fileio import write_safetensors
+from shardtune.models.build import build_on_meta, write_config
 from shardtune.models.presets import PRESETS, preset_config
 from shardtune.models.tokenizer import load_tokenizer
 from shardtune.models.weights import RandomInitSource

@@ -26,7 +26,7 @@ import argparse
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -158,3 +158,12 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def check_vocab(tokenizer: Any, hf_config: Any) -> None:
+    """The tokenizer's ids must all be rows of the model's embedding."""
+    from shardtune.errors import ShardtuneError
+
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ShardtuneError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                             f"{hf_config.vocab_size}; use the tokenizer that belongs to the model")

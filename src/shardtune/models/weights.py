@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +22,6 @@ from torch.distributed.tensor import DTensor
 from shardtune.dist import shard_mesh_dim
 from shardtune.errors import ShardtuneError
 from shardtune.models.build import assert_no_meta, restore_buffers
-from shardtune.peft.qlora import is_nf4, load_nf4_rows, nf4_unmaterialised
 
 
 class WeightSource(Protocol):
@@ -86,6 +87,34 @@ class RandomInitSource:
         return self.full(name, shape)[start:stop]
 
 
+@dataclass(frozen=True)
+class TensorLoader:
+    """How `load_weights` fills parameters that are not plain tensors (QLoRA's NF4 weights), registered by
+    the package that makes such parameters, so this loader needs to know none of them.
+
+    matches:   whether a parameter is one of them.
+    load_rows: fills the parameter's local shard from its full-precision rows (may be a collective: every
+               rank calls it for the same parameters in the same order).
+    unloaded:  the names of such parameters a model still holds unloaded (assert_no_meta cannot see them).
+    """
+
+    name: str
+    matches: Callable[[torch.Tensor], bool]
+    load_rows: Callable[[torch.Tensor, torch.Tensor], None]
+    unloaded: Callable[[nn.Module], list[str]]
+
+
+_LOADERS: dict[str, TensorLoader] = {}
+
+
+def register_tensor_loader(loader: TensorLoader) -> None:
+    _LOADERS[loader.name] = loader
+
+
+def _loader_for(param: torch.Tensor) -> TensorLoader | None:
+    return next((loader for loader in _LOADERS.values() if loader.matches(param)), None)
+
+
 def make_source(mcfg: Any, hf_config: Any, device: torch.device) -> WeightSource:
     """The source a run's model config names: a local HF directory or a preset's random init."""
     if mcfg.path is not None:
@@ -124,14 +153,16 @@ def load_weights(model: nn.Module, source: WeightSource | None, device: torch.de
         if param.dim() and local.shape[0] != stop - start:
             raise AssertionError(f"{name}: local shard has {local.shape[0]} rows, expected {stop - start}")
         rows = source.rows(name, param.shape, start, stop)
-        if is_nf4(param):
-            load_nf4_rows(param, rows)  # collective: quantizes this rank's rows with the whole weight's mean
+        loader = _loader_for(param)
+        if loader is not None:
+            loader.load_rows(param, rows)  # NF4: collective, quantizes this rank's rows with the whole weight's mean
         else:
             local.copy_(rows)
     assert_no_meta(model)
-    left = nf4_unmaterialised(model)
-    if left:
-        raise RuntimeError(f"{len(left)} NF4 weights were not loaded, e.g. {left[:3]}")
+    for loader in _LOADERS.values():
+        left = loader.unloaded(model)
+        if left:
+            raise RuntimeError(f"{len(left)} {loader.name} weights were not loaded, e.g. {left[:3]}")
 
 
 

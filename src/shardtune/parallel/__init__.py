@@ -1,36 +1,82 @@
-"""Backends behind one seam (see base.Backend). The loop never asks which one it has."""
+"""Backends behind one seam (see base.Backend). The loop never asks which one it has.
+
+Each backend module declares what it runs (SUPPORTS, REFUSALS), its other refusals (`check`), how
+`plan` describes it (`describe`) and its checkpoint format, in one BackendSpec; BACKENDS maps
+`parallel.backend` to it. Nothing outside this package asks which backend or strategy a run has.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.dist import DistContext
-from shardtune.parallel.base import Backend
-from shardtune.parallel.fsdp2 import FSDP2Backend
+from shardtune.errors import ShardtuneError
+from shardtune.parallel import deepspeed, fsdp2
+from shardtune.parallel.base import Backend, BackendSpec, LossFn
 
 if TYPE_CHECKING:
-    from shardtune.config import Config
+    from shardtune.config import Config, ParallelConfig
 
-
-def _fsdp2(cfg: Config, ctx: DistContext) -> Backend:
-    return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx)
-
-
-def _deepspeed(cfg: Config, ctx: DistContext) -> Backend:
-    from shardtune.parallel.deepspeed import DeepSpeedBackend
-    from shardtune.parallel.ds_config import deepspeed_config
-
-    ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, ctx.world)
-    return DeepSpeedBackend(cfg.parallel, cfg.train.precision, ctx, ds)
-
-
-# Each backend takes the sections it needs from the run's config.
-BACKENDS: dict[str, Callable[[Config, DistContext], Backend]] = {
-    "fsdp2": _fsdp2,
-    "deepspeed": _deepspeed,
+BACKENDS: dict[str, BackendSpec] = {
+    "fsdp2": fsdp2.SPEC,
+    "deepspeed": deepspeed.SPEC,
 }
 
 
-def make_backend(cfg: Config, ctx: DistContext) -> Backend:
-    return BACKENDS[cfg.parallel.backend](cfg, ctx)
+def make_backend(cfg: Config, ctx: DistContext, loss: LossFn) -> Backend:
+    """The run's backend, computing `loss` (logits, labels) -> the sum of token losses."""
+    return BACKENDS[cfg.parallel.backend].make(cfg, ctx, loss)
+
+
+def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None) -> None:
+    """Settings that cannot work together, refused before any process starts: the backend's refusals (check)
+    and what the PEFT / optimizer settings need (peft.check). With `world` (processes per node), also the
+    DeepSpeed config the deepspeed backend would build (conflicts with the `deepspeed:` section); with
+    `device` ("cuda" or "cpu"), what the machine cannot run."""
+    from shardtune import peft
+
+    check(cfg, world, device)
+    peft.check(cfg.peft, cfg.optim, cfg.train.precision)
+
+
+def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+    """Refuse, in one line with its fix, what the chosen backend cannot run: first the settings it does not
+    support, then the strategy and offload settings that contradict each other on any backend, then the
+    backend's own checks. `world`: processes per node (None: not known, as for a planner's candidate);
+    `device`: "cuda" or "cpu", the machine the run starts on (None: not known)."""
+    spec = BACKENDS[cfg.parallel.backend]
+    spec.refuse_unsupported(cfg)
+    check_strategy(cfg.parallel)
+    spec.check(cfg, world, device)
+
+
+def describe(cfg: Config, world: int) -> str:
+    """How the chosen backend runs the strategy on `world` processes per node (`shardtune plan`)."""
+    return BACKENDS[cfg.parallel.backend].describe(cfg, world)
+
+
+def check_strategy(p: ParallelConfig) -> None:
+    """Strategy, offload and NVMe settings that contradict each other whatever the backend."""
+    if p.shard_size != "auto" and p.strategy != "hsdp":
+        raise ShardtuneError(f"parallel.shard_size: set, but parallel.strategy is {p.strategy} (only hsdp shards "
+                             "within groups); set parallel.strategy=hsdp, or remove shard_size")
+    if p.offload == "params" and p.strategy != "zero3":
+        raise ShardtuneError(f"parallel.offload: params offloads parameters, which only zero3 partitions (strategy is "
+                             f"{p.strategy}); set parallel.strategy=zero3, or parallel.offload=optimizer")
+    if p.offload == "optimizer" and p.strategy == "ddp":
+        raise ShardtuneError("parallel.offload: optimizer offload moves sharded optimizer states, and ddp shards "
+                             "none; set parallel.strategy=zero1, zero2 or zero3, or parallel.offload=none")
+    if p.offload_nvme_path is None:
+        return
+    if p.offload == "none":
+        raise ShardtuneError("parallel.offload_nvme_path: set, but parallel.offload is none (nothing to put "
+                             "there); set parallel.offload=optimizer or params, or remove offload_nvme_path")
+    if p.strategy != "zero3":
+        raise ShardtuneError(f"parallel.offload_nvme_path: NVMe offload needs parallel.strategy=zero3 (DeepSpeed's "
+                             f"{p.strategy} would keep the states in CPU memory instead); set "
+                             "parallel.strategy=zero3, or remove offload_nvme_path to offload to CPU memory")
+    if not Path(p.offload_nvme_path).is_dir():
+        what = "is not a folder" if Path(p.offload_nvme_path).exists() else "does not exist"
+        raise ShardtuneError(f"parallel.offload_nvme_path: {p.offload_nvme_path!r} {what}; create the folder "
+                             "on a local NVMe drive, or fix the path")

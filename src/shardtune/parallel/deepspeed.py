@@ -19,6 +19,8 @@ than one block plus the embeddings in full.
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,28 +28,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardtune.config import OptimConfig, ParallelConfig
+from shardtune.config import Config, ParallelConfig
 from shardtune.dist import DistContext
-from shardtune.models.attention import model_inputs
+from shardtune.errors import ShardtuneError
+from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.build import assert_no_meta, restore_buffers
 from shardtune.models.weights import WeightSource, load_weights, retie, shared_parameters
-from shardtune.parallel.fsdp2 import DTYPES, _jsonable
+from shardtune.parallel.base import DTYPES, BackendSpec, LossFn, OptimizerFactory
+from shardtune.parallel.ds_config import STAGES, deepspeed_config
 from shardtune.parallel.prepare import checkpoint_and_compile
-from shardtune.train.loss import token_loss_sum
-from shardtune.train.optim import build_optimizer, build_scheduler, param_groups
 
 if TYPE_CHECKING:
     from shardtune.data import Batch
 
-STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-TAG = "state"  # one DeepSpeed tag per shardtune checkpoint directory
 
 
 class DeepSpeedBackend:
-    checkpoint_format = "deepspeed"
-
-    def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, ds_config: dict[str, Any]) -> None:
+    def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, ds_config: dict[str, Any],
+                 loss: LossFn) -> None:
         self.parallel, self.precision, self.ctx, self.ds_config = parallel, precision, ctx, ds_config
+        self.loss = loss
         self.stage = STAGES[parallel.strategy]
         self.compute_dtype = DTYPES[precision]
         self.module: nn.Module = nn.Module()
@@ -55,35 +55,24 @@ class DeepSpeedBackend:
         self.attn_implementation = "sdpa"
 
     # ---- set-up -------------------------------------------------------------------------
-    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None, optim: OptimConfig,
-              lr: float, total_steps: int) -> None:
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
+              make_optimizer: OptimizerFactory) -> None:
         import deepspeed
 
         _init_comm()
-        self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+        self.attn_implementation = attn_implementation(model)
         checkpoint_and_compile(model, blocks, self.parallel)  # compile: zero0-2 only (validate refuses zero3)
         if self.stage == 3:
             self._materialise_partitioned(model, blocks, weights)
         else:
             load_weights(model, weights, self.ctx.device)
         self.module = model
-        optimizer = self._client_optimizer(optim, lr)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                                 config=self.ds_config, dist_init_required=False)
-        # The schedule drives the client optimizer's param groups, which the ZeRO optimizer steps.
-        self.scheduler = build_scheduler(optimizer, optim, total_steps)
-
-    def _client_optimizer(self, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
-        offload = self.parallel.offload != "none"
-        if offload and self.ctx.device.type == "cuda":
-            # Offloaded states are stepped on the host: DeepSpeed's vectorised CPU Adam (built on first use).
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(param_groups(self.module.named_parameters(), optim.weight_decay),
-                                    lr=lr, betas=optim.betas, eps=optim.eps, adamw_mode=True)
-        # torch AdamW (fused on GPU); on a CPU-only machine also for offload, where states live on the host anyway.
-        device = torch.device("cpu") if offload else self.ctx.device
-        return build_optimizer(self.module.named_parameters(), optim, lr, device)
+        # The client optimizer: the loop's schedule drives its param groups, which the ZeRO optimizer steps.
+        # Offloaded states are stepped on the host.
+        self.optimizer = make_optimizer(model.named_parameters(), self.ctx.device,
+                                        on_host=self.parallel.offload != "none")
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config,
+                                                    dist_init_required=False)
 
     def _materialise_partitioned(self, model: nn.Module, blocks: list[nn.Module],
                                  weights: WeightSource | None) -> None:
@@ -130,7 +119,7 @@ class DeepSpeedBackend:
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         self.engine.set_gradient_accumulation_boundary(sync_grads)
-        loss = token_loss_sum(self.forward(batch), batch.labels) / normalizer
+        loss = self.loss(self.forward(batch), batch.labels) / normalizer
         # The engine averages gradients over ranks; the loss is already normalised by the step's
         # global token count (and is not divided by the accumulation steps: scale_wrt_gas=False).
         self.engine.backward(loss * self.ctx.world, scale_wrt_gas=False)
@@ -141,34 +130,32 @@ class DeepSpeedBackend:
     def step(self) -> torch.Tensor:
         self._grad_norm_before_step = self._replica_grad_norm() if self.stage == 0 else 0.0
         self.engine.step()  # at the boundary: reduce, unscale, clip, optimizer step, zero grads
-        if self.engine.was_step_applied():  # an fp16 overflow skips the update, and so the schedule
-            self.scheduler.step()
         norm = self.engine.get_global_grad_norm()
         if norm is None:  # stage 0 in fp32 clips without keeping the norm: the reduced grads are replicas
             norm = self._grad_norm_before_step
         return torch.as_tensor(norm, dtype=torch.float32).detach()
+
+    @property
+    def step_applied(self) -> bool:
+        return bool(self.engine.was_step_applied())  # an fp16 overflow skips the update
 
     def _replica_grad_norm(self) -> torch.Tensor | float:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else 0.0
 
     # ---- checkpoint state (DeepSpeed's own sharded format) -------------------------------------
-    def save_native(self, path: Path) -> None:
-        """Collective: model + optimizer state in DeepSpeed's layout under path/TAG (one file per rank)."""
+    def save_native(self, path: Path, tag: str) -> None:
+        """Collective: model + optimizer state in DeepSpeed's layout under path/tag (one file per rank)."""
         frozen = not all(p.requires_grad for p in self.module.parameters())
         with _without_frozen_aliases(self.engine, frozen):
-            self.engine.save_checkpoint(str(path), tag=TAG, save_latest=False, exclude_frozen_parameters=frozen)
+            self.engine.save_checkpoint(str(path), tag=tag, save_latest=False, exclude_frozen_parameters=frozen)
 
-    def load_native(self, path: Path) -> None:
-        from shardtune.checkpoint.deepspeed_files import check_pickles, weights_only_loads
-
-        # Nothing in a checkpoint may run code: DeepSpeed unpickles with weights_only=False, so the
-        # pickles are scanned first and then read with weights_only=True and an allow-list.
-        check_pickles(path / TAG)
-        with weights_only_loads(self.engine):
-            loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_lr_scheduler_states=False,
-                                                    load_module_strict=all(p.requires_grad for p in
-                                                                           self.module.parameters()))
+    def load_native(self, path: Path, tag: str) -> None:
+        """Collective: restore from path/tag. The caller guards the reads (checkpoint.deepspeed_files:
+        DeepSpeed unpickles its files freely)."""
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=tag, load_lr_scheduler_states=False,
+                                                load_module_strict=all(p.requires_grad for p in
+                                                                       self.module.parameters()))
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint at {path}")
 
@@ -179,16 +166,12 @@ class DeepSpeedBackend:
         raise NotImplementedError("the deepspeed backend reads DeepSpeed checkpoints (load_native)")
 
     def extra_state(self) -> dict[str, Any]:
-        return _jsonable({"scheduler": self.scheduler.state_dict(), "scaler": None})
+        return {"scaler": None}  # the engine keeps its loss scaler in its own files
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        pass
 
     # ---- the rest of the seam --------------------------------------------------------------
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
@@ -240,3 +223,123 @@ def _without_frozen_aliases(engine: Any, frozen: bool) -> Iterator[None]:
         yield
     finally:
         del engine.module_state_dict
+
+
+# ---- what this backend runs, and how `plan` describes it --------------------------------------------
+
+SUPPORTS = {
+    "parallel.strategy": ("ddp", "zero1", "zero2", "zero3"),
+    "parallel.offload": ("none", "optimizer", "params"),
+    "peft.method": ("none", "lora"),
+    "optim.name": ("adamw",),
+    "train.precision": ("fp32", "bf16", "fp16"),  # fp16 on GPUs only (check)
+}
+REFUSALS = {
+    ("parallel.strategy", "hsdp"): "parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; "
+                                   "set it, or use parallel.strategy=zero3 with deepspeed",
+    ("peft.method", "qlora"): "peft.method: qlora needs parallel.backend=fsdp2 (its torchao NF4 weights shard under "
+                              "FSDP2 only); set parallel.backend=fsdp2, or use peft.method=lora with deepspeed",
+    ("optim.name", "adamw8bit"): "optim.name: adamw8bit needs parallel.backend=fsdp2 (its torchao 8-bit states "
+                                 "follow FSDP2's sharded parameters); use optim.name=adamw with deepspeed "
+                                 "(parallel.offload=optimizer also saves GPU memory), or parallel.backend=fsdp2",
+}
+
+
+def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+    """DeepSpeed's refusals beyond SUPPORTS. `device` ("cuda"/"cpu"): the machine the run starts on, when known.
+    With `world` (processes per node), also the DeepSpeed config the backend would build, through DeepSpeed's
+    own parser (conflicts with the `deepspeed:` section, misspelt keys)."""
+    p = cfg.parallel
+    if device == "cpu" and cfg.train.precision == "fp16":
+        raise ShardtuneError("train.precision: DeepSpeed has no fp16 on CPU; use train.precision=bf16 or fp32 here "
+                             "(fp16 with deepspeed needs GPUs), or parallel.backend=fsdp2")
+    if p.offload_nvme_path is not None and not async_io_available():
+        raise ShardtuneError("parallel.offload_nvme_path: NVMe offload needs libaio for DeepSpeed's async I/O op; "
+                             "install it (apt-get install libaio-dev, or yum install libaio-devel), or remove "
+                             "offload_nvme_path to offload to CPU memory")
+    if p.strategy == "zero3" and p.compile:
+        raise ShardtuneError("parallel.compile: torch.compile is not supported with DeepSpeed zero3 here (its "
+                             "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "
+                             "parallel.backend=fsdp2")
+    ds = None if world is None else deepspeed_config(p, cfg.train, cfg.optim, cfg.deepspeed, world)  # ConfigError
+    failed = deepspeed_import_error()
+    if failed is not None:
+        raise ShardtuneError(f"parallel.backend: deepspeed needs the deepspeed package (import deepspeed failed: "
+                             f"{failed}); pip install -e '.[deepspeed]' in the shardtune checkout, or use "
+                             "parallel.backend=fsdp2")
+    if ds is not None:
+        check_deepspeed_accepts(ds)
+
+
+def describe(cfg: Config, world: int) -> str:
+    return f"DeepSpeed ZeRO stage {STAGES[cfg.parallel.strategy]}"
+
+
+def check_deepspeed_accepts(ds: dict[str, Any]) -> None:
+    """DeepSpeed's own config parser on the merged config, so a misspelt key of the `deepspeed:` section stops
+    the run here and not after every process has started."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    # Outside a process group DeepSpeedConfig checks the batch sizes against a world of 1.
+    probe = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            DeepSpeedConfig(probe)
+    except ValidationError as err:
+        e = err.errors()[0]
+        where = ".".join(str(part) for part in e["loc"]) or "config"
+        raise ShardtuneError(f"deepspeed: DeepSpeed refuses the config ({err.title}): {where}: {e['msg']}; fix or "
+                             "remove it in the deepspeed section") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ShardtuneError(f"deepspeed: DeepSpeed refuses the config: {first}; fix it in the deepspeed section") \
+            from None
+
+
+@functools.lru_cache(maxsize=1)
+def deepspeed_import_error() -> str | None:
+    """None if `import deepspeed` works, else why not (one line).
+
+    DeepSpeed's logger writes to stdout, and its accelerator probe logs while importing ("Setting accelerator
+    to CPU" on machines without a GPU). That chatter is dropped and the logger pointed at stderr, so stdout stays
+    for what shardtune prints there (`shardtune plan --emit ...`) and a refused config stays one line."""
+    import io
+    import logging
+
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter):
+            import deepspeed  # noqa: F401
+    except Exception as err:  # a broken install fails in many ways (ImportError, RuntimeError from an op builder)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}" if first else type(err).__name__
+    finally:
+        for handler in logging.getLogger("DeepSpeed").handlers:  # the handler DeepSpeed made during this import
+            if isinstance(handler, logging.StreamHandler) and handler.stream is chatter:
+                handler.setStream(sys.stderr)
+    return None
+
+
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async I/O op (NVMe offload) can be built here: it needs libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # deepspeed missing or its probe failing: the import check reports the former
+        return False
+
+
+def param_shards(parallel: ParallelConfig, world: int) -> int:
+    """Only ZeRO-3 partitions the parameters."""
+    return world if STAGES[parallel.strategy] == 3 else 1
+
+
+def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> DeepSpeedBackend:
+    ds = deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, ctx.world)
+    return DeepSpeedBackend(cfg.parallel, cfg.train.precision, ctx, ds, loss)
+
+
+SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,
+                   checkpoint_format="deepspeed", param_shards=param_shards)

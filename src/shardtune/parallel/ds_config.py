@@ -18,10 +18,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
-from shardtune.config import OptimConfig, ParallelConfig, TrainConfig
-from shardtune.errors import ConfigError
+from shardtune.config import Config, OptimConfig, ParallelConfig, TrainConfig
+from shardtune.errors import ConfigError, ShardtuneError
 
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
@@ -127,6 +128,42 @@ def trainer_arguments(parallel: ParallelConfig, train: TrainConfig, optim: Optim
     if parallel.compile:
         args["torch_compile"] = True
     return args
+
+
+def for_trainer(cfg: Config, world: int) -> tuple[dict, str]:
+    """`shardtune plan --emit deepspeed`: the config for Hugging Face Trainer and the matching TrainingArguments
+    (with notes on what differs), as comment lines for stderr."""
+    if cfg.parallel.backend != "deepspeed":
+        raise ShardtuneError(f"--emit deepspeed: parallel.backend is {cfg.parallel.backend}; add "
+                             "parallel.backend=deepspeed (the config describes a DeepSpeed run)")
+    ds = trainer_deepspeed_config(cfg.parallel, cfg.train, cfg.optim, cfg.deepspeed, world)
+    kwargs = trainer_arguments(cfg.parallel, cfg.train, cfg.optim)
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    hint = (f"# matching TrainingArguments (launch {world} processes, e.g. torchrun --nproc-per-node {world}):\n"
+            f"#   TrainingArguments(output_dir=..., deepspeed='ds_config.json', {args})")
+    if cfg.parallel.offload != "none" and cfg.optim.weight_decay > 0:
+        hint += ("\n# note: with offload the config names DeepSpeed's AdamW (DeepSpeedCPUAdam), which decays every "
+                 "weight, norms and biases too; shardtune and Trainer's own AdamW leave those out")
+    if cfg.optim.schedule == "linear" and cfg.optim.min_lr_ratio > 0:
+        hint += "\n# note: Trainer's linear schedule decays to 0; optim.min_lr_ratio has no TrainingArguments form"
+    return ds, hint
+
+
+def for_accelerate(cfg: Config, world: int, block_class: Callable[[], str]) -> tuple[dict, list[str]]:
+    """`shardtune plan --emit accelerate`: the accelerate config and notes for stderr. `block_class` names the
+    model's decoder block, asked for only when FSDP wraps each block."""
+    p = cfg.parallel
+    block = block_class() if p.backend == "fsdp2" and p.strategy != "ddp" else None
+    out = accelerate_config(p, cfg.train, world, block, None, max_grad_norm=cfg.optim.max_grad_norm)
+    notes = []
+    if p.backend == "deepspeed" and cfg.deepspeed:
+        notes.append("# note: the deepspeed section has no inline accelerate form; use `--emit deepspeed > ds.json` "
+                     "and deepspeed_config: {deepspeed_config_file: ds.json}")
+    if p.backend == "deepspeed" and p.offload != "none":
+        notes.append("# note: with offload, DeepSpeed accepts only its own optimizers unless the config says "
+                     "zero_force_ds_cpu_optimizer: false (as `--emit deepspeed` does); use "
+                     "deepspeed.ops.adam.DeepSpeedCPUAdam, or that file")
+    return out, notes
 
 
 def _checkpointing_arg() -> str:

@@ -23,20 +23,19 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from shardtune.config import OptimConfig, ParallelConfig
+from shardtune.config import Config, ParallelConfig
 from shardtune.dist import DistContext
 from shardtune.errors import ShardtuneError
-from shardtune.models.attention import model_inputs
+from shardtune.fileio import jsonable
+from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.weights import WeightSource, load_weights
+from shardtune.parallel.base import DTYPES, BackendSpec, LossFn, OptimizerFactory
 from shardtune.parallel.prepare import checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
-from shardtune.train.loss import token_loss_sum
-from shardtune.train.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
     from shardtune.data import Batch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Frozen parameters (a LoRA base) are re-read from the base model, never written to checkpoints.
 _STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # Not strict about the frozen ones left out; DCP's load already failed if a saved key was missing.
@@ -56,8 +55,10 @@ def _without_frozen_aliases(module: nn.Module, model_sd: dict[str, Any]) -> dict
 
 
 class FSDP2Backend:
-    def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext) -> None:
+    def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, loss: LossFn,
+                 max_grad_norm: float) -> None:
         self.parallel, self.precision, self.ctx = parallel, precision, ctx
+        self.loss, self.max_grad_norm = loss, max_grad_norm
         self.compute_dtype = DTYPES[precision]
         self.module: nn.Module = nn.Module()
         self.model: nn.Module = self.module
@@ -65,18 +66,16 @@ class FSDP2Backend:
         self.attn_implementation = "sdpa"  # the model's, read in setup (it picks the packed-batch mask)
 
     # ---- set-up -------------------------------------------------------------------------
-    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None, optim: OptimConfig,
-              lr: float, total_steps: int) -> None:
-        self.attn_implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
+              make_optimizer: OptimizerFactory) -> None:
+        self.attn_implementation = attn_implementation(model)
         checkpoint_and_compile(model, blocks, self.parallel)
         if self.parallel.strategy == "ddp":
             self._setup_ddp(model, weights)
         else:
             self._setup_fsdp(model, blocks, weights)
-        self.optimizer = build_optimizer(self.module.named_parameters(), optim, lr, self.ctx.device,
-                                         sharded_fp16=uses_sharded_scaler(self.parallel, self.precision))
-        self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
-        self.max_grad_norm = optim.max_grad_norm
+        self.optimizer = make_optimizer(self.module.named_parameters(), self.ctx.device,
+                                        sharded_fp16=uses_sharded_scaler(self.parallel, self.precision))
         if self.precision == "fp16":
             self.scaler = self._grad_scaler()
 
@@ -145,7 +144,7 @@ class FSDP2Backend:
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         no_sync = self.parallel.strategy == "ddp" and not sync_grads
         with self.model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
-            loss = token_loss_sum(self.forward(batch), batch.labels) / normalizer
+            loss = self.loss(self.forward(batch), batch.labels) / normalizer
             # DDP and FSDP2 average gradients over ranks; the loss is already normalised by the
             # step's global token count, so undo the average to get the gradient of that loss.
             scaled = loss * self.ctx.world
@@ -163,9 +162,12 @@ class FSDP2Backend:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    @property
+    def step_applied(self) -> bool:
+        return True  # the schedule steps with every step, as torch's does after a GradScaler skip
 
     # ---- checkpoint state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -178,18 +180,12 @@ class FSDP2Backend:
                        options=_LOAD_OPTIONS)
 
     def extra_state(self) -> dict[str, Any]:
-        """The JSON-able rest: LR schedule and loss scaler."""
-        return _jsonable({"scheduler": self.scheduler.state_dict(),
-                          "scaler": self.scaler.state_dict() if self.scaler is not None else None})
+        """The JSON-able rest: the loss scaler."""
+        return {"scaler": jsonable(self.scaler.state_dict()) if self.scaler is not None else None}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])  # a tensor for torchao's AdamW8bit
 
     def train(self, mode: bool = True) -> None:
         """Switch train/eval mode. Back in training, reshard what an eval forward left gathered
@@ -236,12 +232,59 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     return total
 
 
-def _jsonable(obj: Any) -> Any:
-    """Scalars held as tensors (a tensor learning rate, as torchao's AdamW8bit keeps) -> Python numbers."""
-    if isinstance(obj, torch.Tensor):
-        return obj.item() if obj.numel() == 1 else obj.tolist()
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
+# ---- what this backend runs, and how `plan` describes it --------------------------------------------
+
+SUPPORTS = {
+    "parallel.strategy": ("ddp", "zero2", "zero3", "hsdp"),
+    "parallel.offload": ("none",),
+    "peft.method": ("none", "lora", "qlora"),
+    "optim.name": ("adamw", "adamw8bit"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+}
+REFUSALS = {
+    ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
+                                    "set parallel.backend=deepspeed, or use parallel.strategy=zero2 with fsdp2",
+    **{("parallel.offload", offload): f"parallel.offload: {offload} offload is DeepSpeed ZeRO-Offload, which backend "
+                                      "fsdp2 does not have; set parallel.backend=deepspeed, or parallel.offload=none"
+       for offload in ("optimizer", "params")},
+}
+
+
+def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+    """FSDP2's refusals beyond SUPPORTS (`world`: processes per node, when known)."""
+    p = cfg.parallel
+    if cfg.optim.fused is True and uses_sharded_scaler(p, cfg.train.precision):
+        raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
+                             "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
+                             "(foreach AdamW then), or train.precision=bf16")
+    if cfg.deepspeed:
+        raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
+                             "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
+    if world is not None and p.strategy == "hsdp":
+        hsdp_shard_size(p, world, world)
+
+
+def describe(cfg: Config, world: int) -> str:
+    """How FSDP2 runs the strategy (`shardtune plan`); `world`: processes per node."""
+    p = cfg.parallel
+    if p.strategy == "ddp":
+        return "torch DDP (replicated)"
+    if p.strategy == "hsdp":
+        shard = hsdp_shard_size(p, world, world)  # checked by check_combination before this runs
+        return (f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard "
+                f"{shard}) mesh")
+    return f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"
+
+
+def param_shards(parallel: ParallelConfig, world: int) -> int:
+    """ddp keeps whole parameters; the others split them over the world (hsdp within groups of shard_size,
+    which divides the world, so what fits `world` shards also fits the groups)."""
+    return 1 if parallel.strategy == "ddp" else world
+
+
+def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
+    return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx, loss, cfg.optim.max_grad_norm)
+
+
+SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,
+                   checkpoint_format="dcp", param_shards=param_shards)

@@ -1,1 +1,45 @@
 """Parameter-efficient fine-tuning helpers: 4-bit NF4 base weights (QLoRA) and 8-bit AdamW."""
+
+from __future__ import annotations
+
+import functools
+
+from shardtune.config import OptimConfig, PeftConfig
+from shardtune.errors import ShardtuneError
+
+
+def check(peft: PeftConfig, optim: OptimConfig, precision: str) -> None:
+    """What the LoRA / QLoRA / 8-bit AdamW settings need, whatever the backend (peft, torchao, a base dtype
+    the matmuls can take), refused in one line with the fix."""
+    from shardtune.peft.optim8bit import adamw8bit_available
+    from shardtune.peft.qlora import nf4_available
+
+    if peft.method != "none" and (failed := peft_import_error()) is not None:
+        raise ShardtuneError(f"peft.method: {peft.method} needs the peft package (import peft failed: {failed}); "
+                             f"pip install -e '.[peft]' in the shardtune checkout (or pip install peft), or use "
+                             f"peft.method=none")
+    if peft.method == "qlora" and not nf4_available():
+        raise ShardtuneError("peft.method: qlora needs torchao (NF4 weights that FSDP2 can shard); "
+                             "pip install -e '.[qlora]' in the shardtune checkout")
+    if peft.method == "qlora" and peft.use_dora:
+        raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
+                             "offer here; use peft.method=lora with DoRA, or qlora without it")
+    if peft.method != "none" and peft.base_dtype not in ("auto", "fp32", precision):
+        raise ShardtuneError(f"peft.base_dtype: {peft.base_dtype} base weights with train.precision={precision} "
+                             f"would meet {precision} activations in the matmuls; set peft.base_dtype=auto (or "
+                             f"fp32), or train.precision={peft.base_dtype}")
+    if optim.name == "adamw8bit" and not adamw8bit_available():
+        raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
+                             "pip install -e '.[qlora]' in the shardtune checkout")
+
+
+@functools.lru_cache(maxsize=1)
+def peft_import_error() -> str | None:
+    """None if `import peft` works, else why not (one line): LoRA and QLoRA are built on it, and a worker
+    that found it missing would fail only after every process had started."""
+    try:
+        import peft  # noqa: F401
+    except Exception as err:  # ImportError, or a broken install failing in its own way
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return None

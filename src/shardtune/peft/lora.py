@@ -3,16 +3,15 @@
 PEFT wraps the model (`base_model.model.` prefix, `.base_layer` in wrapped linears, adapter
 weights `lora_A.default` / `lora_B.default`) and freezes everything but the adapters. The
 functions here map those names back to the checkpoint's, initialise the adapters independent of
-world size, and write the adapter in PEFT's own format from a sharded model.
+world size, and gather the adapter in PEFT's own format from a sharded model (checkpoint/hf_export.py's
+save_adapter writes it).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -117,9 +116,9 @@ def adapter_state(model: nn.Module, rank: int,
                   gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
     """Collective: gather every adapter tensor in full (`gather`: the backend's full_tensor; default
     the DTensor gather); rank 0 gets PEFT's saved-format state (adapter name stripped), the others None."""
-    from shardtune.checkpoint.hf_export import _gather
+    from shardtune.fileio import full_tensor
 
-    gather = gather or _gather
+    gather = gather or full_tensor
     full = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -133,29 +132,3 @@ def adapter_state(model: nn.Module, rank: int,
 
     return get_peft_model_state_dict(model, state_dict=full)
 
-
-def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int,
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None, *, source: str = "",
-                 overwrite: bool = False) -> None:
-    """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors),
-    with shardtune's marker naming `source`, under the rule of checkpoint/outdir.py (`overwrite`: the
-    user's --overwrite)."""
-    from safetensors.torch import save_file
-
-    from shardtune.checkpoint.outdir import staged
-
-    state = adapter_state(model, rank, gather)
-    if rank != 0:
-        return
-    if not state or not all(t.numel() for t in state.values()):
-        # The empty-adapter failure users hit with ZeRO-3 + PEFT (peft #2892): never write one.
-        raise RuntimeError(f"the adapter state is empty ({len(state or {})} tensors); refusing to save it")
-    with staged(out_dir, "adapter", source, overwrite=overwrite) as tmp:
-        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = model.peft_config["default"]
-        config.base_model_name_or_path = base_model
-        config.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),
-                                                       "parameters": sum(t.numel() for t in state.values())}))

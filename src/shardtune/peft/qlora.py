@@ -77,6 +77,7 @@ gathers one NF4 weight and dequantizes it (for merging LoRA into an exported mod
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -87,6 +88,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.dist import shard_mesh_dim
+from shardtune.models.weights import TensorLoader, register_tensor_loader
 from shardtune.peft.nf4_linear import NF4Linear
 
 # torchao's wheels carry CUDA kernels built for one torch version; NF4 and the 8-bit optimizers are
@@ -95,7 +97,7 @@ from shardtune.peft.nf4_linear import NF4Linear
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 __all__ = ["is_nf4", "load_nf4_rows", "nf4_available", "nf4_bytes", "nf4_full_weight", "nf4_params",
-           "nf4_scaler_block_size", "nf4_unmaterialised", "quantize_to_nf4"]
+           "nf4_round_trip", "nf4_scaler_block_size", "nf4_shard_world", "nf4_unmaterialised", "quantize_to_nf4"]
 
 
 def _nf4_api() -> tuple[type, Callable[..., Any]]:
@@ -146,6 +148,21 @@ def nf4_scaler_block_size(shape: tuple[int, ...] | torch.Size, shard_world: int 
             return sbs
         sbs //= 2
     return None
+
+
+def nf4_shard_world(param_shards: int) -> int:
+    """The `shard_world` a run quantizes its base for, when FSDP2 splits each weight over `param_shards`
+    ranks (1: not split). Scaler blocks are sized for lcm(shards, 8), so 1, 2, 4 or 8 processes (and any
+    resume among them) quantize the base identically."""
+    return math.lcm(param_shards, 8)
+
+
+def nf4_round_trip(weight: torch.Tensor, shard_world: int) -> torch.Tensor:
+    """`weight` quantized to NF4 as a run over `shard_world` (nf4_shard_world) quantized it, and dequantized
+    (fp32); a weight the run left in full precision comes back as it is."""
+    _, to_nf4 = _nf4_api()
+    sbs = nf4_scaler_block_size(weight.shape, shard_world)
+    return weight if sbs is None else to_nf4(weight.contiguous(), 64, sbs).get_original_weight().float()
 
 
 def quantize_to_nf4(model: nn.Module, target_names: Callable[[str], bool], *, block_size: int = 64,
@@ -292,3 +309,6 @@ def nf4_full_weight(param: torch.Tensor, dtype: torch.dtype | None = None) -> to
     else:
         full = local
     return full.get_original_weight().to(dtype or local.dtype)
+
+
+register_tensor_loader(TensorLoader("NF4", is_nf4, load_nf4_rows, nf4_unmaterialised))

@@ -142,7 +142,7 @@ def resolve_hardware(gpu: str | None = None, gpu_memory: str | None = None, cali
 
 def supported_by(cfg: Any) -> Any:
     """setting -> None if the backends can run it, else why not (validate's own rules, no process)."""
-    from shardtune.validate import check_combination
+    from shardtune.parallel import check_combination
 
     def check(s: Setting) -> str | None:
         variant = config_for(cfg, s)

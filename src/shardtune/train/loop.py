@@ -4,7 +4,6 @@ model source and data are the pieces plugged in."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import time
@@ -14,32 +13,27 @@ from typing import Any
 
 import torch
 
-from shardtune.checkpoint.dcp import (
-    Checkpointer,
-    check_resumable,
-    checkpoint_format,
-    read_trainer_state,
-    resolve_checkpoint,
-)
-from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_hf_model, write_config
+from shardtune.assemble import BuiltModel, assemble
+from shardtune.checkpoint.checkpointer import Checkpointer
+from shardtune.checkpoint.formats import make_format
+from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_model
+from shardtune.checkpoint.layout import checkpoint_root, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
 from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
+from shardtune.fileio import jsonable
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
 from shardtune.metrics.logger import MetricsLogger, log_rank0
-from shardtune.models.build import build_on_meta, load_hf_config
-from shardtune.models.facts import decoder_blocks
-from shardtune.models.tokenizer import load_tokenizer
-from shardtune.models.weights import make_source
-from shardtune.parallel import make_backend
+from shardtune.models.build import load_hf_config, write_config
+from shardtune.models.tokenizer import check_vocab, load_tokenizer
+from shardtune.parallel import BACKENDS, make_backend
 from shardtune.parallel.base import Backend
-from shardtune.peft.lora import LoraSource, apply_lora, cast_frozen, frozen_dtype, save_adapter
-from shardtune.peft.qlora import quantize_to_nf4
 from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
-from shardtune.validate import check_combination, check_final_dir
+from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
 
 
 @dataclass
@@ -57,142 +51,110 @@ class TrainResult:
     backend: Backend  # the trained, still sharded model and its optimizer (for in-process callers)
 
 
+@dataclass
+class Run:
+    """What set_up hands the step loop: the pieces plugged in, and where the run stands."""
+
+    cfg: Config
+    ctx: DistContext
+    out: Path
+    hf_config: Any
+    tokenizer: Any
+    data: DataBundle
+    sampler: StepSampler
+    built: BuiltModel
+    backend: Backend
+    schedule: torch.optim.lr_scheduler.LRScheduler  # the LR of backend.optimizer, stepped with every update
+    ckpt: Checkpointer
+    logger: MetricsLogger
+    total_steps: int
+    stop: int  # the step this launch ends at (train.stop_after_step, else total_steps)
+    predicted: dict[str, Any] | None  # the planner's prediction (plan.json), compared with the run at the end
+    resume: Path | None
+    state: RunState
+    flops_per_token: float
+    peak_flops: float | None
+
+
 def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool = False) -> TrainResult:
     """Train as `cfg` says on the current process group; every rank gets the result. `overwrite`
     (train --overwrite) lets the run replace a final model/adapter folder that shardtune did not write."""
     check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
-    ctx = ctx or init_distributed()
+    run = set_up(cfg, ctx or init_distributed())
+    run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state)
+    start = time.perf_counter()
+    if not run.resume:
+        run_eval(0)
+    interval = _Interval(run.ctx.device)
+    with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
+        for step in range(run.state.step, run.stop):
+            _train_step(run, step, interval)
+            if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
+                    and run.state.step != run.total_steps:
+                run_eval(run.state.step)
+        run.ckpt.close()
+    finished = run.state.step >= run.total_steps
+    if finished:
+        run_eval(run.total_steps)
+    return finish(run, finished, time.perf_counter() - start, overwrite=overwrite)
+
+
+def set_up(cfg: Config, ctx: DistContext) -> Run:
+    """Everything before the first step: config (kept global batch on resume), data, model, backend, checkpointer
+    (and the checkpoint loaded), logger."""
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    root = checkpoint_root(cfg.checkpoint, out)
     hf_config = load_hf_config(cfg.model)
     cfg = resolve_plan_auto(cfg, hf_config, ctx)
     resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
     if resume:
-        check_resumable(resume, cfg.parallel.backend, ctx.world)
-    saved = read_trainer_state(resume) if resume else None
-    if saved:
-        cfg = keep_global_batch(cfg, saved, ctx)
+        cfg = keep_global_batch(cfg, read_trainer_state(resume), ctx)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
-
     tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(tokenizer, hf_config)
-    check_combination(cfg)
-    check_device(cfg, ctx.device)
     t = cfg.train
     data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=ctx.local_rank == 0)
     sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, ctx.world, ctx.rank, t.seed)
     total_steps = t.max_steps or sampler.steps_per_epoch * t.epochs
-    stop = min(total_steps, t.stop_after_step or total_steps)
 
-    model = build_on_meta(hf_config, cfg.model.attn_implementation)
-    base_model = model
-    source = make_source(cfg.model, hf_config, ctx.device)
-    if cfg.peft.method != "none":
-        shapes = {name: p.shape for name, p in model.named_parameters()}
-        model = apply_lora(model, cfg.peft, hf_config.model_type)
-        source = LoraSource(source, cfg.model.seed, shapes)
-        if cfg.peft.method == "qlora":
-            # Before sharding: FSDP2 picks NF4's own all-gather when fully_shard sees the parameter.
-            # Scaler blocks are sized for lcm(world, 8) shards, so 1, 2, 4 or 8 processes (and any
-            # resume among them) quantize the base identically.
-            world = 1 if cfg.parallel.strategy == "ddp" else ctx.world
-            quantize_to_nf4(model, lambda name: name.endswith(".base_layer"), shard_world=math.lcm(world, 8))
-        cast_frozen(model, frozen_dtype(cfg.peft.base_dtype, t.precision))
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    blocks = decoder_blocks(model, hf_config.model_type)
-    backend = make_backend(cfg, ctx)
+    spec = BACKENDS[cfg.parallel.backend]
+    built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
+                     spec.param_shards(cfg.parallel, ctx.world))
+    backend = make_backend(cfg, ctx, token_loss_sum)
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
-    # are not read. With LoRA the checkpoint holds only the adapters: the base is read again.
-    weights = None if resume and cfg.peft.method == "none" else source
-    backend.setup(model, blocks, weights, cfg.optim, t.lr, total_steps)
-    ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(
-        path, model, base_model, hf_config, tokenizer, SAVE_DTYPES[save_dtype(cfg)]), checkpoint_format(backend))
-    start_step = 0
+    # are not read. With adapters the checkpoint holds only them: the base is read again.
+    weights = None if resume and not built.adapters else built.source
+    backend.setup(built.model, built.blocks, weights, OptimizerFactory(cfg.optim, t.lr))
+    schedule = build_scheduler(backend.optimizer, cfg.optim, total_steps)
+    dtype = SAVE_DTYPES[save_dtype(cfg)]
+    ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(path, built, hf_config, tokenizer, dtype),
+                        make_format(spec.checkpoint_format))
     if resume:
         saved = ckpt.load(resume, backend)
+        schedule.load_state_dict(saved["extra"]["scheduler"])
         backend.load_extra_state(saved["extra"])
         sampler.load_state_dict(saved["sampler"])
-        start_step = sampler.position
-
-    predicted = write_prediction(cfg, hf_config, ctx, out)
-    fpt = flops_per_token(matmul_params(n_params - n_trainable if cfg.peft.method != "none" else n_params,
-                                        hf_config), hf_config.num_hidden_layers, hf_config.hidden_size, t.seq_len,
-                          trainable=n_trainable if cfg.peft.method != "none" else None)
-    peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
     logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl,
-                           resume_step=start_step)
-    if cfg.peft.method != "none":
-        logger.print(f"{cfg.peft.method}: {n_trainable / 1e6:,.2f}M trainable parameters "
-                     f"({n_trainable / n_params:.2%}), r={cfg.peft.r}, alpha={cfg.peft.alpha:g}")
-    logger.print(f"shardtune: {hf_config.model_type} {n_params / 1e6:,.1f}M params, {cfg.parallel.strategy} on "
-                 f"{ctx.world} x {ctx.device.type}, {total_steps} steps of {sampler.global_batch} sequences")
-    logger.print(data_line(data))
-    if resume:
-        logger.print(f"resumed from {resume} at step {start_step}")
-    state = RunState(step=start_step)
-    run_eval = _evaluator(backend, data, cfg, ctx, logger, state)
-    start = time.perf_counter()
-    if not resume:
-        run_eval(0)
-
-    interval = _Interval(ctx.device)
-    with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
-        for step in range(start_step, stop):
-            micro = [data.train_batch(idx) for idx in sampler.micro_batches(step)]
-            normalizer = global_target_tokens(micro, ctx.device)
-            lr = backend.lr
-            step_loss = torch.zeros((), device=ctx.device)
-            for k, batch in enumerate(micro):
-                step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
-                                                      sync_grads=k == len(micro) - 1)
-            interval.checkpoint_s += ckpt.before_update()  # an async save's copy must finish before the update
-            grad_norm = backend.step()
-            interval.add(step_loss, sum(b.num_tokens for b in micro))
-            state.step = sampler.position = step + 1
-            if ckpt.due(state.step, last=state.step == stop):
-                interval.checkpoint_s += ckpt.save(state.step, backend, trainer_state(state.step, sampler, backend,
-                                                                                      cfg, ctx, total_steps))
-            if state.step % cfg.log.every == 0 or state.step == stop:
-                record = interval.flush(state.step, lr, grad_norm, fpt, peak, ctx)
-                record["epoch"] = step // sampler.steps_per_epoch
-                record.update(ckpt.pop_timings())
-                state.history.append(record)
-                logger.log(record)
-            if t.eval_every and state.step % t.eval_every == 0 and state.step != total_steps:
-                run_eval(state.step)
-        ckpt.close()
-    finished = state.step >= total_steps
-    if finished:
-        run_eval(total_steps)
-    train_seconds = time.perf_counter() - start
-    logger.close()
-
-    if cfg.checkpoint.save_final and finished and cfg.peft.method != "none":
-        save_adapter(backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), tokenizer, ctx.rank,
-                     gather=backend.full_tensor, source=f"training run {out}", overwrite=overwrite)
-    elif cfg.checkpoint.save_final and finished:
-        save_hf_model(backend.module, hf_config, tokenizer, out / "model", dtype=SAVE_DTYPES[save_dtype(cfg)],
-                      max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size), rank=ctx.rank,
-                      gather=backend.full_tensor, source=f"training run {out}", overwrite=overwrite)
-    summary = _summary(cfg, ctx, state, total_steps, train_seconds, n_params, out)
-    if predicted is not None:
-        from shardtune.plan import compare
-
-        summary["plan"] = compare(predicted, state.history)
-    if ctx.is_main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        logger.print(_done_line(state.step, total_steps, train_seconds, out, cfg))
-    return TrainResult(summary, backend)
+                           resume_step=sampler.position)
+    peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
+    run = Run(cfg, ctx, out, hf_config, tokenizer, data, sampler, built, backend, schedule, ckpt, logger,
+              total_steps=total_steps, stop=min(total_steps, t.stop_after_step or total_steps),
+              predicted=write_prediction(cfg, hf_config, ctx, out), resume=resume,
+              state=RunState(step=sampler.position), flops_per_token=_flops_per_token(built, hf_config, t.seq_len),
+              peak_flops=peak)
+    _print_start(run)
+    return run
 
 
 def resolve_plan_auto(cfg: Config, hf_config: Any, ctx: DistContext) -> Config:
     """Workers started by torchrun directly (not through `shardtune train`, which resolves it first) plan
     `auto` strategy / micro-batch themselves: the same pure function on every rank gives the same answer."""
-    if cfg.parallel.strategy != "auto" and cfg.train.micro_batch_size != "auto":
+    from shardtune.plan import auto_keys
+
+    if not auto_keys(cfg):
         return cfg
     from shardtune.plan import resolve_auto
     from shardtune.plan.hardware import detect
@@ -221,11 +183,81 @@ def write_prediction(cfg: Config, hf_config: Any, ctx: DistContext, out: Path) -
     return record
 
 
-def write_hf_dir(path: Path, model: Any, base_model: Any, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
+def _flops_per_token(built: BuiltModel, hf_config: Any, seq_len: int) -> float:
+    """With adapters, the frozen base does forward and input-gradient matmuls but no weight gradients."""
+    frozen = built.params - built.trainable if built.adapters else built.params
+    return flops_per_token(matmul_params(frozen, hf_config), hf_config.num_hidden_layers, hf_config.hidden_size,
+                           seq_len, trainable=built.trainable if built.adapters else None)
+
+
+def _print_start(run: Run) -> None:
+    cfg, built, log = run.cfg, run.built, run.logger
+    if built.adapters:
+        log.print(f"{cfg.peft.method}: {built.trainable / 1e6:,.2f}M trainable parameters "
+                  f"({built.trainable / built.params:.2%}), r={cfg.peft.r}, alpha={cfg.peft.alpha:g}")
+    log.print(f"shardtune: {run.hf_config.model_type} {built.params / 1e6:,.1f}M params, {cfg.parallel.strategy} on "
+              f"{run.ctx.world} x {run.ctx.device.type}, {run.total_steps} steps of {run.sampler.global_batch} "
+              "sequences")
+    log.print(data_line(run.data))
+    if run.resume:
+        log.print(f"resumed from {run.resume} at step {run.state.step}")
+
+
+def _train_step(run: Run, step: int, interval: _Interval) -> None:
+    """One optimizer step (all its micro-batches), then the checkpoint and the log record it is due."""
+    backend, ctx, state = run.backend, run.ctx, run.state
+    micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
+    normalizer = global_target_tokens(micro, ctx.device)
+    lr = current_lr(backend.optimizer)
+    step_loss = torch.zeros((), device=ctx.device)
+    for k, batch in enumerate(micro):
+        step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
+                                              sync_grads=k == len(micro) - 1)
+    interval.checkpoint_s += run.ckpt.before_update()  # an async save's copy must finish before the update
+    grad_norm = backend.step()
+    if backend.step_applied:
+        run.schedule.step()
+    interval.add(step_loss, sum(b.num_tokens for b in micro))
+    state.step = run.sampler.position = step + 1
+    if run.ckpt.due(state.step, last=state.step == run.stop):
+        interval.checkpoint_s += run.ckpt.save(state.step, backend, trainer_state(run))
+    if state.step % run.cfg.log.every == 0 or state.step == run.stop:
+        record = interval.flush(state.step, lr, grad_norm, run.flops_per_token, run.peak_flops, ctx)
+        record["epoch"] = step // run.sampler.steps_per_epoch
+        record.update(run.ckpt.pop_timings())
+        state.history.append(record)
+        run.logger.log(record)
+
+
+def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = False) -> TrainResult:
+    """After the last step: the final model (or adapter; `overwrite`: train --overwrite), summary.json and the
+    closing line."""
+    cfg, ctx, out = run.cfg, run.ctx, run.out
+    run.logger.close()
+    if cfg.checkpoint.save_final and finished and run.built.adapters:
+        save_adapter(run.backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), run.tokenizer,
+                     ctx.rank, gather=run.backend.full_tensor, source=f"training run {out}", overwrite=overwrite)
+    elif cfg.checkpoint.save_final and finished:
+        save_hf_model(run.backend.module, run.hf_config, run.tokenizer, out / "model",
+                      dtype=SAVE_DTYPES[save_dtype(cfg)], max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size),
+                      rank=ctx.rank, gather=run.backend.full_tensor, source=f"training run {out}",
+                      overwrite=overwrite)
+    summary = _summary(run, train_seconds)
+    if run.predicted is not None:
+        from shardtune.plan import compare
+
+        summary["plan"] = compare(run.predicted, run.state.history)
+    if ctx.is_main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.logger.print(_done_line(run, train_seconds))
+    return TrainResult(summary, run.backend)
+
+
+def write_hf_dir(path: Path, built: BuiltModel, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
     """A checkpoint's hf/ folder: the base model's config and tokenizer (+ the adapter config for LoRA)."""
-    write_config(base_model, hf_config, tokenizer, path, dtype)
-    if model is not base_model:
-        model.peft_config["default"].save_pretrained(str(path))
+    write_config(built.base, hf_config, tokenizer, path, dtype)
+    if built.adapters:
+        built.model.peft_config["default"].save_pretrained(str(path))
 
 
 def save_dtype(cfg: Config) -> str:
@@ -233,19 +265,21 @@ def save_dtype(cfg: Config) -> str:
     return ("fp32" if cfg.train.precision == "fp32" else "bf16") if name == "auto" else name
 
 
-def _done_line(step: int, total: int, seconds: float, out: Path, cfg: Config) -> str:
+def _done_line(run: Run, seconds: float) -> str:
+    step, total = run.state.step, run.total_steps
     if step < total:
         return f"stopped after step {step} of {total} ({seconds:.1f}s); continue with --resume auto"
-    kind = "adapter" if cfg.peft.method != "none" else "model"
-    where = f"; {kind} in {out / kind}" if cfg.checkpoint.save_final else ""
+    kind = "adapter" if run.built.adapters else "model"
+    where = f"; {kind} in {run.out / kind}" if run.cfg.checkpoint.save_final else ""
     return f"done: {total} steps in {seconds:.1f}s{where}"
 
 
-def trainer_state(step: int, sampler: StepSampler, backend: Backend, cfg: Config, ctx: DistContext,
-                  total_steps: int) -> dict[str, Any]:
+def trainer_state(run: Run) -> dict[str, Any]:
     """The JSON part of a checkpoint: where the run is and how it was set up."""
-    return {"step": step, "total_steps": total_steps, "sampler": sampler.state_dict(),
-            "extra": backend.extra_state(), "world_size": ctx.world, "global_batch": sampler.global_batch,
+    cfg, sampler = run.cfg, run.sampler
+    extra = {"scheduler": jsonable(run.schedule.state_dict()), **run.backend.extra_state()}
+    return {"step": run.state.step, "total_steps": run.total_steps, "sampler": sampler.state_dict(),
+            "extra": extra, "world_size": run.ctx.world, "global_batch": sampler.global_batch,
             "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
             "strategy": cfg.parallel.strategy, "config": cfg.model_dump(mode="json", by_alias=True)}
 
@@ -276,19 +310,6 @@ def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tens
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(count)
     return count
-
-
-def check_device(cfg: Config, device: torch.device) -> None:
-    """What this machine cannot run (`validate` checks the config alone, wherever it runs)."""
-    if cfg.parallel.backend == "deepspeed" and cfg.train.precision == "fp16" and device.type == "cpu":
-        raise ShardtuneError("train.precision: DeepSpeed has no fp16 on CPU; use train.precision=bf16 or fp32 here "
-                             "(fp16 with deepspeed needs GPUs), or parallel.backend=fsdp2")
-
-
-def check_vocab(tokenizer: Any, hf_config: Any) -> None:
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ShardtuneError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                             f"{hf_config.vocab_size}; use the tokenizer that belongs to the model")
 
 
 class _Interval:
@@ -381,14 +402,15 @@ def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext) 
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_accuracy": right / max(rows, 1)}
 
 
-def _summary(cfg: Config, ctx: DistContext, state: RunState, total_steps: int, seconds: float, n_params: int,
-             out: Path) -> dict[str, Any]:
+def _summary(run: Run, seconds: float) -> dict[str, Any]:
+    cfg, state, out = run.cfg, run.state, run.out
     last = state.history[-1] if state.history else {}
+    final = cfg.checkpoint.save_final
     return {
-        "steps": total_steps, "world_size": ctx.world, "strategy": cfg.parallel.strategy,
-        "precision": cfg.train.precision, "params": n_params, "train_seconds": seconds,
+        "steps": run.total_steps, "world_size": run.ctx.world, "strategy": cfg.parallel.strategy,
+        "precision": cfg.train.precision, "params": run.built.params, "train_seconds": seconds,
         "final_loss": last.get("loss"), "losses": [r["loss"] for r in state.history],
         "evals": state.evals, "output_dir": str(out),
-        "model_dir": str(out / "model") if cfg.checkpoint.save_final and cfg.peft.method == "none" else None,
-        "adapter_dir": str(out / "adapter") if cfg.checkpoint.save_final and cfg.peft.method != "none" else None,
+        "model_dir": str(out / "model") if final and not run.built.adapters else None,
+        "adapter_dir": str(out / "adapter") if final and run.built.adapters else None,
     }

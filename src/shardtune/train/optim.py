@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -61,3 +62,32 @@ def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
 def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, optim, total_steps))
+
+
+@dataclass(frozen=True)
+class OptimizerFactory:
+    """The run's optimizer, built by a backend over the parameters it holds once they are sharded (states
+    then follow the shards): AdamW, or the 8-bit AdamW `optim.name` asks for, at peak LR `lr` (the loop's
+    schedule scales it)."""
+
+    optim: OptimConfig
+    lr: float
+
+    def __call__(self, named_params: Iterable[tuple[str, nn.Parameter]], device: torch.device, *,
+                 sharded_fp16: bool = False, on_host: bool = False) -> torch.optim.Optimizer:
+        """`sharded_fp16`: loss scaling through FSDP2's sharded scaler (see use_fused). `on_host`: the states
+        live in host memory and are stepped there (DeepSpeed's offload)."""
+        o = self.optim
+        if on_host and device.type == "cuda":
+            # DeepSpeed's vectorised CPU Adam (built on first use) steps host states faster than torch AdamW.
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(param_groups(named_params, o.weight_decay), lr=self.lr, betas=o.betas,
+                                    eps=o.eps, adamw_mode=True)
+        # torch AdamW (fused on GPU); on a CPU-only machine also for offload, where states live on the host anyway.
+        return build_optimizer(named_params, o, self.lr, torch.device("cpu") if on_host else device,
+                               sharded_fp16=sharded_fp16)
+
+
+def current_lr(opt: torch.optim.Optimizer) -> float:
+    return float(opt.param_groups[0]["lr"])  # a tensor for torchao's AdamW8bit

@@ -1,0 +1,167 @@
+"""The Checkpointer: when to save, the checkpoint's directory around the format's files (layout.py: trainer
+state, hf/, RNG, manifest, atomic rename), retention of the last K, and resume. What holds the model and
+optimizer state is the format's business (formats.py); nothing here asks which format a run has."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtune.checkpoint.formats import Format
+from shardtune.checkpoint.layout import TRAINER_STATE, complete_checkpoints, read_trainer_state, step_dir
+from shardtune.config import CheckpointConfig
+from shardtune.dist import DistContext
+
+
+class Checkpointer:
+    """Decides when to save, writes checkpoints (sync or async), keeps the last K, loads one."""
+
+    def __init__(self, cfg: CheckpointConfig, root: Path, ctx: DistContext, hf_dir_writer: Callable[[Path], None],
+                 fmt: Format) -> None:
+        self.cfg, self.root, self.ctx = cfg, root, ctx
+        self.fmt = fmt  # the backend's format (formats.make_format)
+        self.write_hf_dir = hf_dir_writer  # callable(path): writes config.json + tokenizer (rank 0)
+        self.pending: Future | None = None
+        self.staging: Future | None = None  # async: the copy to host memory still running
+        self.last_saved_step = -1
+        self.last_time = time.monotonic()
+        # Seconds the phases of a save took, set as they end (an async save's from its threads) and
+        # handed to the next log record (rank 0's): checkpoint_staging_s (copy to host),
+        # checkpoint_write_s (until rank 0 has put the checkpoint, every rank's files in it, in place).
+        self.timings: dict[str, float] = {}
+        self._timings_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-ckpt")
+        if ctx.is_main and root.is_dir():
+            for stale in root.glob(".step-*.tmp"):  # left by a crash: never complete, safe to drop
+                shutil.rmtree(stale, ignore_errors=True)
+        fmt.start(cfg, ctx, root)
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether to save after optimizer step `step` (1-based count of steps done)."""
+        if step == self.last_saved_step:
+            return False
+        if last and self.cfg.at_end:
+            return True
+        if self.cfg.every_steps and step % self.cfg.every_steps == 0:
+            return True
+        if self.cfg.every_minutes:
+            # Ranks must agree: rank 0's clock decides.
+            flag = torch.tensor([float(time.monotonic() - self.last_time >= 60 * self.cfg.every_minutes)],
+                                device=self.ctx.device)
+            if dist.is_initialized():
+                dist.broadcast(flag, src=0)
+            return bool(flag.item())
+        return False
+
+    def save(self, step: int, backend: Any, trainer_state: dict[str, Any]) -> float:
+        """Write a checkpoint of `step`; returns the seconds the training loop was blocked."""
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        started = time.perf_counter()
+        tmp = self.root / f".step-{step:08d}.tmp"
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            self.write_hf_dir(tmp / "hf")
+        _barrier()
+        _save_rng(tmp / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
+        info = {"step": step, "world_size": self.ctx.world, "format": self.fmt.name}
+        written = self.fmt.write(backend, tmp, step_dir(self.root, step), info)
+        if written.done is None:  # written and in place already
+            if self.ctx.is_main:
+                self._finish(None, started)
+            _barrier()
+        else:
+            self.staging = written.staging
+            if self.staging is not None:
+                self.staging.add_done_callback(lambda _: self._timed("checkpoint_staging_s", started))
+            # Rank 0's future completes once every rank has written and the checkpoint is in place.
+            self.pending = self._executor.submit(self._finish, written.done, started) if self.ctx.is_main \
+                else written.done
+        self.last_saved_step = step
+        self.last_time = time.monotonic()
+        return time.perf_counter() - t0
+
+    def before_update(self) -> float:
+        """Call before the optimizer changes parameters: waits for an async save's staging copy.
+        Returns the seconds waited."""
+        if self.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        staging, self.staging = self.staging, None
+        staging.result()
+        return time.perf_counter() - t0
+
+    def _finish(self, written: Future | None, started: float) -> None:
+        if written is not None:
+            written.result()  # re-raises a failed write
+        self._timed("checkpoint_write_s", started)
+        for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _timed(self, phase: str, started: float) -> None:
+        with self._timings_lock:
+            self.timings[phase] = time.perf_counter() - started
+
+    def pop_timings(self) -> dict[str, float]:
+        """The phase durations of saves that ended since the last call."""
+        with self._timings_lock:
+            done, self.timings = self.timings, {}
+        return done
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and, on rank 0, in place."""
+        self.before_update()
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then free what the format kept (async buffers, a writer process)."""
+        self.wait()
+        self.fmt.close()
+        self._executor.shutdown(wait=True)
+
+    def load(self, path: Path, backend: Any) -> dict[str, Any]:
+        """Restore model, optimizer and RNG from `path`; returns its trainer state."""
+        self.fmt.read(backend, path)
+        trainer_state = read_trainer_state(path)
+        if trainer_state.get("world_size") == self.ctx.world:
+            _load_rng(path / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
+        self.last_saved_step = int(trainer_state["step"])
+        return trainer_state
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _save_rng(path: Path, device: torch.device) -> None:
+    from safetensors.torch import save_file
+
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    save_file(states, str(path))
+
+
+def _load_rng(path: Path, device: torch.device) -> None:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return
+    states = load_file(str(path))
+    torch.set_rng_state(states["cpu"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)

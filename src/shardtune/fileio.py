@@ -1,0 +1,83 @@
+"""Low-level helpers every package may use: JSON-able values, durable directory entries, writing safetensors
+files in shards, and gathering a sharded tensor. (Folders written for users are swapped into place under the
+rule of checkpoint/outdir.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def jsonable(obj: Any) -> Any:
+    """Scalars held as tensors (a tensor learning rate, as torchao's AdamW8bit keeps) -> Python numbers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def fsync_dir(path: Path, *, required: bool = True) -> None:
+    """Make a rename or new file inside `path` durable (the directory entry itself is synced). Not every file
+    system (or OS) lets a directory be fsynced: with required=False, such a failure is ignored."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if required:
+            raise
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Split tensors, in order, into files of at most max_bytes (a larger tensor gets its own file)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes:
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[str], torch.Tensor | None],
+                      max_shard_bytes: int) -> None:
+    """Write tensors, in order, into safetensors files of at most max_shard_bytes (+ index if several).
+
+    `fetch(name)` gives the CPU tensor to write, or None on a rank that only joins the collectives;
+    a rank that gets None for every tensor writes nothing.
+    """
+    from safetensors.torch import save_file
+
+    shards = plan_shards(sizes, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file, shard in zip(names, shards, strict=True):
+        buf = {name: t for name in shard if (t := fetch(name)) is not None}
+        if buf:
+            save_file(buf, str(out / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(buf, file))
+            total += sum(t.numel() * t.element_size() for t in buf.values())
+    if weight_map and len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor: its whole tensor on every rank; a plain tensor as it is (detached)."""
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
