@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,8 +28,20 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a command (with `env` added to the environment), returning its completed process (text output)."""
-    return subprocess.run(cmd, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=timeout, check=False)
+    """Run a command (with `env` added to the environment), returning its completed process (text output).
+
+    The command gets its own process group, killed whole on a timeout or an interrupt: killing only torchrun
+    left its workers, and the DeepSpeed op build one of them had started, running long after the test failed."""
+    with subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600,
