@@ -10,9 +10,10 @@ import time
 import pytest
 from conftest import run
 
-# Starts a grandchild (as torchrun starts its workers), writes its pid, and outlives any test timeout.
+# Starts a grandchild in a session of its own (as torchrun starts its workers), writes its pid, and outlives any
+# test timeout.
 TREE = ("import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
         "open(sys.argv[1], 'w').write(str(child.pid))\n"
         "time.sleep(120)\n")
 
