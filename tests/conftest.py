@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -24,10 +26,46 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, parents before children (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    # By process tree, not process group: torchrun starts each worker in a session of its own.
+    for p in descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a command (with `env` added to the environment), returning its completed process (text output)."""
-    return subprocess.run(cmd, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=timeout, check=False)
+    """Run a command (with `env` added to the environment), returning its completed process (text output).
+
+    On a timeout or an interrupt the command's whole process tree is killed: killing only torchrun left its
+    workers, and the DeepSpeed op build one of them had started, running long after the test had failed."""
+    with subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            _kill_tree(proc.pid)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600,

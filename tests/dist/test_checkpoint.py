@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _env, shardtune
+from conftest import ROOT, _env, descendants, shardtune
 
 from shardtune.checkpoint.dcp_files import SafeReader, read_tensor
 from shardtune.checkpoint.layout import complete_checkpoints, is_complete, resolve_checkpoint, verify
@@ -129,23 +129,6 @@ def test_resume_auto_without_checkpoint_starts_fresh_and_bad_path_is_refused(tmp
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
     out = tmp_path / "run"
     root = out / "checkpoints"
@@ -158,7 +141,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
     try:
         while time.time() < deadline and proc.poll() is None:
             if len(complete_checkpoints(root)) >= 2 and any(root.glob(".step-*.tmp")):
-                for pid in reversed(_descendants(proc.pid)):  # the launcher, torchrun's agent, the workers
+                for pid in reversed(descendants(proc.pid)):  # the launcher, torchrun's agent, the workers
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 killed_mid_save = True
