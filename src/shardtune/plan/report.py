@@ -32,7 +32,7 @@ def _mark(plan: Plan, c: Candidate) -> str:
     marks = []
     if plan.pick is not None and c.setting == plan.pick.setting:
         marks.append("<- pick")
-    if c.setting == plan.configured.setting:
+    if c.setting == plan.configured.setting and not plan.auto:
         marks.append("<- config")
     return " ".join(marks)
 
@@ -51,10 +51,11 @@ def summary_lines(plan: Plan) -> list[str]:
     lines = [f"hardware   {hw.name}, {hw.memory_bytes / GIB:.1f} GiB per GPU "
              f"({c.setting.per_node} per node x {c.setting.nnodes} node(s)); usable {plan.result.capacity / GIB:.1f} "
              "GiB after the safety margin",
-             f"config     {describe(c.setting)}: {c.memory.total / GIB:.1f} GiB per GPU predicted (peak at "
-             f"{c.memory.phase}), {c.time.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
-             f"{'fits' if c.usable else 'does NOT fit'}",
              f"pick       {plan.reason()}"]
+    if not plan.auto:
+        lines.insert(1, f"config     {describe(c.setting)}: {c.memory.total / GIB:.1f} GiB per GPU predicted (peak at "
+                        f"{c.memory.phase}), {c.time.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
+                        f"{'fits' if c.usable else 'does NOT fit'}")
     if plan.auto:
         lines.append(f"auto       {', '.join(plan.auto)} -> {describe(plan.chosen().setting)}")
     return lines
