@@ -17,7 +17,7 @@ from shardtune.assemble import BuiltModel, assemble
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.formats import make_format
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_model
-from shardtune.checkpoint.layout import checkpoint_root, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.layout import VERIFIED_ENV, checkpoint_root, read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
@@ -107,7 +107,7 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     root = checkpoint_root(cfg.checkpoint, out)
     hf_config = load_hf_config(cfg.model)
     cfg = resolve_plan_auto(cfg, hf_config, ctx)
-    resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
+    resume = resume_point(cfg, root, ctx)
     if resume:
         cfg = keep_global_batch(cfg, read_trainer_state(resume), ctx)
     if ctx.is_main:
@@ -147,6 +147,29 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
               peak_flops=peak)
     _print_start(run)
     return run
+
+
+def resume_point(cfg: Config, root: Path, ctx: DistContext) -> Path | None:
+    """The checkpoint to resume from, its files checked against the manifest's checksums once per run: by the
+    launcher (`shardtune train`, which hands the workers its path), else here by rank 0, whose answer (or
+    refusal) every rank takes."""
+    value = cfg.checkpoint.resume
+    if not value:
+        return None
+    if os.environ.get(VERIFIED_ENV) == value:
+        return resolve_checkpoint(value, root)  # sizes only: the launcher read every byte
+    if ctx.world == 1 or not torch.distributed.is_initialized():
+        return resolve_checkpoint(value, root, check=True)
+    answer: list[Any] = [None]
+    if ctx.is_main:
+        try:
+            answer = [str(resolve_checkpoint(value, root, check=True) or "")]
+        except ShardtuneError as err:
+            answer = [err]
+    torch.distributed.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], ShardtuneError):
+        raise answer[0]
+    return Path(answer[0]) if answer[0] else None
 
 
 def resolve_plan_auto(cfg: Config, hf_config: Any, ctx: DistContext) -> Config:
