@@ -164,7 +164,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         worker_args.append(f"checkpoint.resume={cfg.checkpoint.resume}")
         os.environ[VERIFIED_ENV] = cfg.checkpoint.resume
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
-    return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
+    from shardtune.checkpoint.runlock import lock_run_dir, release_run_dir
+
+    out = Path(cfg.train.output_dir)
+    holder = args.nnodes == 1 or args.node_rank == 0  # one node locks a shared output dir for all
+    if holder:
+        lock_run_dir(out)  # held by this launcher until the workers end (or it dies)
+    try:
+        return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
+    finally:
+        if holder:
+            release_run_dir(out)
 
 
 def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> int:
