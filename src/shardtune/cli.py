@@ -158,8 +158,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     # The launcher's plan fixed what the config left to auto: the workers get it as overrides.
     worker_args = ["train", args.config, *_overrides(args), *auto_overrides(cfg, auto),
                    *(["--overwrite"] if args.overwrite else [])]
+    if cfg.checkpoint.resume:  # validate read it back once; the workers take that checkpoint, unread again
+        from shardtune.checkpoint.layout import VERIFIED_ENV
+
+        worker_args.append(f"checkpoint.resume={cfg.checkpoint.resume}")
+        os.environ[VERIFIED_ENV] = cfg.checkpoint.resume
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
-    return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
+    from shardtune.checkpoint.runlock import lock_run_dir, release_run_dir
+
+    out = Path(cfg.train.output_dir)
+    holder = args.nnodes == 1 or args.node_rank == 0  # one node locks a shared output dir for all
+    if holder:
+        lock_run_dir(out)  # held by this launcher until the workers end (or it dies)
+    try:
+        return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
+    finally:
+        if holder:
+            release_run_dir(out)
 
 
 def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> int:

@@ -168,6 +168,12 @@ class TrainConfig(_Section):
     eval_batches: int | None = Field(None, ge=1, description="Cap on eval micro-batches per process.")
     stop_after_step: int | None = Field(None, ge=1, description="End the run after this step (the LR schedule "
                                                                  "still spans max_steps); resume later.")
+    skip_nonfinite: bool = Field(True, description="A NaN or Inf loss / gradient norm skips that optimizer step "
+                                                   "(grads zeroed, counted as skipped_steps).")
+    max_bad_steps: int = Field(5, ge=1, description="Stop, with a checkpoint of the last good weights, after this "
+                                                    "many non-finite steps in a row.")
+    loss_spike_factor: float = Field(3.0, ge=0.0, description="Warn once per spike when a step's loss exceeds this "
+                                                              "many times the median of the last 50 (0 = off).")
 
 
 class PeftConfig(_Section):

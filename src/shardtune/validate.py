@@ -49,7 +49,10 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     check_final_dir(cfg, overwrite)
     tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(tokenizer, hf_config)
-    check_resume(cfg, world * nnodes)
+    resume = check_resume(cfg, world * nnodes, verify=True)
+    if resume is not None:  # the workers get the checkpoint read back here, not `auto` to resolve again
+        cfg = cfg.model_copy(deep=True)
+        cfg.checkpoint.resume = str(resume.resolve())
     if quiet and plan is not None:
         from shardtune.plan import describe
 
@@ -89,17 +92,20 @@ def check_worker(cfg: Config, world: int) -> None:
     check_resume(cfg, world)
 
 
-def check_resume(cfg: Config, world: int) -> None:
-    """A checkpoint the run resumes from (`checkpoint.resume`) must exist, be complete, and be one this
-    backend can resume on `world` processes (all nodes)."""
+def check_resume(cfg: Config, world: int, *, verify: bool = False) -> Path | None:
+    """A checkpoint the run resumes from (`checkpoint.resume`) must exist, be complete (with `verify`: every
+    file read back against the manifest's checksums; `auto` falls back past damaged ones), and be one this
+    backend can resume on `world` processes (all nodes). Returns it (None: nothing to resume)."""
     from shardtune.checkpoint.formats import check_resumable
     from shardtune.checkpoint.layout import checkpoint_root, resolve_checkpoint
 
     if not cfg.checkpoint.resume:
-        return
-    path = resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg.checkpoint, cfg.train.output_dir))
+        return None
+    path = resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg.checkpoint, cfg.train.output_dir),
+                              check=verify)
     if path is not None:
         check_resumable(path, cfg.parallel.backend, world)
+    return path
 
 
 def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any = None) -> None:

@@ -87,6 +87,30 @@ def test_resume_gives_the_uninterrupted_trajectory(tmp_path, stopped, reference,
     assert max(abs(resumed[s] - reference[s]) for s in reference) <= 1e-6
 
 
+def test_a_flipped_byte_refuses_export_and_resume_auto_falls_back(tmp_path, stopped, reference, cache, cli):
+    """Same size, one byte changed in a shard of the newest checkpoint: only the checksum sees it. Export of
+    that checkpoint is refused naming the file; --resume auto says so and resumes from the one before (step 3),
+    and the run still ends on the uninterrupted trajectory."""
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    newest = out / "checkpoints" / "step-00000005"
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    refused = cli("export", str(newest), str(tmp_path / "hf"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"{newest} is damaged: {shard.name} does not match the manifest" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
+    proc = train(out, cache, "--resume")
+    assert f"{shard.name} does not match the manifest" in proc.stderr
+    assert "falling back to the previous checkpoint" in proc.stderr and "step-00000003" in proc.stderr
+    assert proc.stderr.count("does not match the manifest") == 1  # read back once (the launcher), not per rank
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - reference[s]) for s in reference) <= 1e-6
+
+
 @pytest.mark.parametrize(("nproc", "strategy"), [(1, "zero2"), (4, "zero2"), (2, "ddp")])
 def test_reshard_two_process_checkpoint(tmp_path, stopped, reference, cache, nproc, strategy):
     # 2 -> 1 and 2 -> 4 processes, zero3 -> zero2 / ddp: DCP reshards on load; grad_accum is adjusted

@@ -158,3 +158,62 @@ def test_the_stager_for_a_writer_process_stages_into_shared_memory():
         assert staged["w"].is_shared() and torch.equal(staged["w"], torch.arange(4.0))
     finally:
         stager.release()
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_checked_resolution_refuses_a_damaged_checkpoint_by_name_and_auto_falls_back(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    first = _step(root, 1, {"w": torch.ones(4)})
+    second = _step(root, 2, {"w": torch.full((4,), 2.0)})
+    distcp = next(second.glob("*.distcp"))
+    _flip_last_byte(distcp)
+    assert resolve_checkpoint("auto", root) == second  # sizes alone cannot see it
+    with pytest.raises(ShardtuneError, match=rf"{second} is damaged: {distcp.name} does not match.*checksum"):
+        resolve_checkpoint(str(second), check=True)
+    capsys.readouterr()
+    assert resolve_checkpoint("auto", root, check=True) == first
+    assert resolve_checkpoint(str(tmp_path), check=True) == first  # a run directory too
+    err = capsys.readouterr().err
+    assert f"{distcp.name} does not match" in err and f"falling back to the previous checkpoint {first}" in err
+    _flip_last_byte(next(first.glob("*.distcp")))
+    with pytest.raises(ShardtuneError, match="no earlier intact checkpoint to fall back to"):
+        resolve_checkpoint("auto", root, check=True)
+
+
+def test_a_truncated_file_is_refused_by_name_even_without_reading_checksums(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    first = _step(root, 1, {"w": torch.ones(4)})
+    second = _step(root, 2, {"w": torch.full((4,), 2.0)})
+    distcp = next(second.glob("*.distcp"))
+    distcp.write_bytes(distcp.read_bytes()[:-3])
+    for check in (False, True):
+        with pytest.raises(ShardtuneError, match=rf"{distcp.name} does not match the manifest \([\d,]+ bytes, the "
+                                                 r"manifest says [\d,]+: truncated"):
+            resolve_checkpoint(str(second), check=check)
+        capsys.readouterr()
+        assert resolve_checkpoint("auto", root, check=check) == first
+        assert f"{distcp.name} does not match" in capsys.readouterr().err  # said, not skipped silently
+
+
+def test_manifests_with_crc32_only_are_still_verified(tmp_path):
+    """Checkpoints written before xxh3 (or where xxhash is missing) carry CRC32; verify checks it."""
+    import zlib
+
+    step = _step(tmp_path, 1, {"w": torch.ones(4)})
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert all("xxh3_64" in info for info in manifest["files"].values())
+    for rel, info in manifest["files"].items():
+        del info["xxh3_64"]
+        info["crc32"] = zlib.crc32((step / rel).read_bytes())
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    verify(step)
+    _flip_last_byte(next(step.glob("*.distcp")))
+    with pytest.raises(ShardtuneError, match="crc32 checksum differs"):
+        verify(step)

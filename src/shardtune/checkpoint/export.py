@@ -44,7 +44,7 @@ def export_checkpoint(checkpoint: str, out_dir: str | Path, *, dtype: str = "aut
 
     from shardtune.models.build import read_hf_config
 
-    path = resolve_checkpoint(checkpoint)
+    path = resolve_checkpoint(checkpoint, check=True)  # every file against the manifest's checksums
     assert path is not None
     hf_dir = path / "hf"
     if not (hf_dir / "config.json").is_file():

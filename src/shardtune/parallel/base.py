@@ -63,6 +63,9 @@ class Backend(Protocol):
 
     def step(self) -> torch.Tensor: ...
 
+    # step_skipped (optional attribute): the last step() left the weights unchanged because its gradients were
+    # not finite (fsdp2 with skip_nonfinite); the loop counts it. Backends without it never skip.
+
     @property
     def step_applied(self) -> bool: ...
 

@@ -59,6 +59,8 @@ class FSDP2Backend:
                  max_grad_norm: float) -> None:
         self.parallel, self.precision, self.ctx = parallel, precision, ctx
         self.loss, self.max_grad_norm = loss, max_grad_norm
+        self.skip_nonfinite = True  # the loop sets train.skip_nonfinite
+        self.step_skipped = False  # whether the last step() left the weights as they were (non-finite grads)
         self.compute_dtype = DTYPES[precision]
         self.module: nn.Module = nn.Module()
         self.model: nn.Module = self.module
@@ -157,7 +159,14 @@ class FSDP2Backend:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm(list(self.module.parameters()), self.max_grad_norm)
-        if self.scaler is not None:
+        # The norm is global, so every rank takes the same decision. fp16's scaler skips overflows itself (and
+        # they are routine while it finds its scale); other precisions would write NaN into every weight. The
+        # one host read per step costs nothing on a CPU; on a GPU it waits for the step's kernels, which the
+        # optimizer step right after it needs anyway.
+        self.step_skipped = self.scaler is None and self.skip_nonfinite and not bool(torch.isfinite(norm))
+        if self.step_skipped:
+            pass
+        elif self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:

@@ -4,9 +4,12 @@ model source and data are the pieces plugged in."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,9 @@ from shardtune.assemble import BuiltModel, assemble
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.formats import make_format
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_model
-from shardtune.checkpoint.layout import checkpoint_root, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.layout import VERIFIED_ENV, checkpoint_root, read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.outdir import check_final_dir
+from shardtune.checkpoint.runlock import lock_run_dir
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
@@ -35,6 +39,10 @@ from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
 
+SPIKE_WINDOW = 50  # steps whose median loss a spike is measured against
+# Test-only fault injection: steps (1-based, comma-separated) whose loss is multiplied by NaN on every rank.
+TEST_NAN_ENV = "SHARDTUNE_TEST_NAN_STEPS"
+
 
 @dataclass
 class RunState:
@@ -43,6 +51,10 @@ class RunState:
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0  # steps whose update was skipped for a non-finite loss / grad norm, over the whole run
+    bad_in_row: int = 0  # ... of them in a row, up to this step
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))  # rank 0's step losses
+    in_spike: bool = False
 
 
 @dataclass
@@ -80,7 +92,10 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     """Train as `cfg` says on the current process group; every rank gets the result. `overwrite`
     (train --overwrite) lets the run replace a final model/adapter folder that shardtune did not write."""
     check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
-    run = set_up(cfg, ctx or init_distributed())
+    ctx = ctx or init_distributed()
+    if ctx.is_main:  # a no-op under `shardtune train`, whose launcher holds it; torchrun started us directly
+        lock_run_dir(Path(cfg.train.output_dir))
+    run = set_up(cfg, ctx)
     run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state)
     start = time.perf_counter()
     if not run.resume:
@@ -89,10 +104,18 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
             _train_step(run, step, interval)
+            if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
+                break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
                 run_eval(run.state.step)
         run.ckpt.close()
+    if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
+        run.logger.close()
+        saved = run.ckpt.root / f"step-{run.state.step:08d}"  # written whatever the checkpoint settings
+        raise ShardtuneError(f"step {run.state.step}: {run.state.bad_in_row} steps in a row had a non-finite loss or "
+                             f"gradient norm (train.max_bad_steps={run.cfg.train.max_bad_steps}); stopped with the "
+                             f"last good weights in {saved}; lower train.lr or check the data, then --resume auto")
     finished = run.state.step >= run.total_steps
     if finished:
         run_eval(run.total_steps)
@@ -107,7 +130,7 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     root = checkpoint_root(cfg.checkpoint, out)
     hf_config = load_hf_config(cfg.model)
     cfg = resolve_plan_auto(cfg, hf_config, ctx)
-    resume = resolve_checkpoint(cfg.checkpoint.resume, root) if cfg.checkpoint.resume else None
+    resume = resume_point(cfg, root, ctx)
     if resume:
         cfg = keep_global_batch(cfg, read_trainer_state(resume), ctx)
     if ctx.is_main:
@@ -123,7 +146,9 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     spec = BACKENDS[cfg.parallel.backend]
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
                      spec.param_shards(cfg.parallel, ctx.world))
-    backend = make_backend(cfg, ctx, token_loss_sum)
+    backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
+    if hasattr(backend, "skip_nonfinite"):
+        backend.skip_nonfinite = t.skip_nonfinite
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
     # are not read. With adapters the checkpoint holds only them: the base is read again.
     weights = None if resume and not built.adapters else built.source
@@ -137,16 +162,41 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
         schedule.load_state_dict(saved["extra"]["scheduler"])
         backend.load_extra_state(saved["extra"])
         sampler.load_state_dict(saved["sampler"])
+        skipped = int(saved.get("skipped_steps", 0))
     logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl,
                            resume_step=sampler.position)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
     run = Run(cfg, ctx, out, hf_config, tokenizer, data, sampler, built, backend, schedule, ckpt, logger,
               total_steps=total_steps, stop=min(total_steps, t.stop_after_step or total_steps),
               predicted=write_prediction(cfg, hf_config, ctx, out), resume=resume,
-              state=RunState(step=sampler.position), flops_per_token=_flops_per_token(built, hf_config, t.seq_len),
+              state=RunState(step=sampler.position, skipped=skipped if resume else 0),
+              flops_per_token=_flops_per_token(built, hf_config, t.seq_len),
               peak_flops=peak)
     _print_start(run)
     return run
+
+
+def resume_point(cfg: Config, root: Path, ctx: DistContext) -> Path | None:
+    """The checkpoint to resume from, its files checked against the manifest's checksums once per run: by the
+    launcher (`shardtune train`, which hands the workers its path), else here by rank 0, whose answer (or
+    refusal) every rank takes."""
+    value = cfg.checkpoint.resume
+    if not value:
+        return None
+    if os.environ.get(VERIFIED_ENV) == value:
+        return resolve_checkpoint(value, root)  # sizes only: the launcher read every byte
+    if ctx.world == 1 or not torch.distributed.is_initialized():
+        return resolve_checkpoint(value, root, check=True)
+    answer: list[Any] = [None]
+    if ctx.is_main:
+        try:
+            answer = [str(resolve_checkpoint(value, root, check=True) or "")]
+        except ShardtuneError as err:
+            answer = [err]
+    torch.distributed.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], ShardtuneError):
+        raise answer[0]
+    return Path(answer[0]) if answer[0] else None
 
 
 def resolve_plan_auto(cfg: Config, hf_config: Any, ctx: DistContext) -> Config:
@@ -207,6 +257,7 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     """One optimizer step (all its micro-batches), then the checkpoint and the log record it is due."""
     backend, ctx, state = run.backend, run.ctx, run.state
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
+    _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
     normalizer = global_target_tokens(micro, ctx.device)
     lr = current_lr(backend.optimizer)
     step_loss = torch.zeros((), device=ctx.device)
@@ -214,19 +265,92 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
                                               sync_grads=k == len(micro) - 1)
     interval.checkpoint_s += run.ckpt.before_update()  # an async save's copy must finish before the update
+    _TEST_NAN[0] = 1.0
     grad_norm = backend.step()
     if backend.step_applied:
-        run.schedule.step()
-    interval.add(step_loss, sum(b.num_tokens for b in micro))
+        run.schedule.step()  # also after a skipped update: the LR is a function of the step number
+    skipped = bool(getattr(backend, "step_skipped", False))
+    interval.add(step_loss, sum(b.num_tokens for b in micro), skipped)
     state.step = run.sampler.position = step + 1
-    if run.ckpt.due(state.step, last=state.step == run.stop):
+    stop_bad = _count_bad_step(run, skipped)
+    if not skipped:
+        _watch_spikes(run, step_loss)
+    if run.ckpt.due(state.step, last=state.step == run.stop) or stop_bad:
+        check_finite_weights(run, "checkpoint")
         interval.checkpoint_s += run.ckpt.save(state.step, backend, trainer_state(run))
-    if state.step % run.cfg.log.every == 0 or state.step == run.stop:
+    if state.step % run.cfg.log.every == 0 or state.step == run.stop or stop_bad:
         record = interval.flush(state.step, lr, grad_norm, run.flops_per_token, run.peak_flops, ctx)
         record["epoch"] = step // run.sampler.steps_per_epoch
+        record["skipped_steps"] = state.skipped
         record.update(run.ckpt.pop_timings())
         state.history.append(record)
         run.logger.log(record)
+
+
+def _count_bad_step(run: Run, skipped: bool) -> bool:
+    """Count a skipped step and say so; True when max_bad_steps in a row are reached (stop, with a checkpoint)."""
+    state = run.state
+    if not skipped:
+        state.bad_in_row = 0
+        return False
+    state.skipped += 1
+    state.bad_in_row += 1
+    limit = run.cfg.train.max_bad_steps
+    log_rank0(run.ctx.rank, f"step {state.step}: non-finite loss or gradient norm; update skipped (gradients zeroed; "
+                            f"{state.bad_in_row} in a row, the run stops at {limit})")
+    return state.bad_in_row >= limit
+
+
+def _watch_spikes(run: Run, step_loss: torch.Tensor) -> None:
+    """Warn once per spike: rank 0's step loss above loss_spike_factor x the median of its last 50. The skip
+    check's host read has already waited for this step, so reading the loss costs a copy, not a sync."""
+    factor, state = run.cfg.train.loss_spike_factor, run.state
+    if not factor or not run.ctx.is_main:
+        return
+    loss = float(step_loss)
+    if len(state.recent) >= 10:
+        median = statistics.median(state.recent)
+        spike = loss > factor * median
+        if spike and not state.in_spike:
+            log_rank0(run.ctx.rank, f"warning: step {state.step}: loss spike, {loss:.4g} is over {factor:g}x the "
+                                    f"median of the last {len(state.recent)} steps ({median:.4g})")
+        state.in_spike = spike
+    state.recent.append(loss)
+
+
+def check_finite_weights(run: Run, what: str) -> None:
+    """Refuse to write a `what` (checkpoint, model) whose trainable weights hold NaN or Inf: one pass over each
+    rank's shards and one all-reduce, at save time only. Frozen weights are not updated, so not checked."""
+    bad = torch.zeros((), device=run.ctx.device)
+    for p in run.backend.module.parameters():
+        if p.requires_grad and p.is_floating_point():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bad += (~torch.isfinite(local.detach())).any()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(bad)
+    if bad.item():
+        raise ShardtuneError(f"step {run.state.step}: the weights hold NaN or Inf values; no {what} was written "
+                             "(the last checkpoint holds finite ones); keep train.skip_nonfinite true, lower "
+                             "train.lr, and --resume auto")
+
+
+_TEST_NAN = [1.0]  # the factor the loss is multiplied by this step (NaN only where SHARDTUNE_TEST_NAN_STEPS says)
+
+
+def _test_nan_steps() -> set[int]:
+    value = os.environ.get(TEST_NAN_ENV, "")
+    return {int(x) for x in value.split(",") if x.strip()}
+
+
+def _with_test_nan(loss_fn: Any) -> Any:
+    """The loss, poisoned with NaN at the steps SHARDTUNE_TEST_NAN_STEPS names (tests only; unset, unchanged)."""
+    if not os.environ.get(TEST_NAN_ENV):
+        return loss_fn
+
+    def poisoned(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, labels) * _TEST_NAN[0]
+
+    return poisoned
 
 
 def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = False) -> TrainResult:
@@ -234,6 +358,8 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
     closing line."""
     cfg, ctx, out = run.cfg, run.ctx, run.out
     run.logger.close()
+    if cfg.checkpoint.save_final and finished:
+        check_finite_weights(run, "model" if not run.built.adapters else "adapter")
     if cfg.checkpoint.save_final and finished and run.built.adapters:
         save_adapter(run.backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), run.tokenizer,
                      ctx.rank, gather=run.backend.full_tensor, source=f"training run {out}", overwrite=overwrite)
@@ -281,7 +407,8 @@ def trainer_state(run: Run) -> dict[str, Any]:
     return {"step": run.state.step, "total_steps": run.total_steps, "sampler": sampler.state_dict(),
             "extra": extra, "world_size": run.ctx.world, "global_batch": sampler.global_batch,
             "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
-            "strategy": cfg.parallel.strategy, "config": cfg.model_dump(mode="json", by_alias=True)}
+            "strategy": cfg.parallel.strategy, "skipped_steps": run.state.skipped,
+            "config": cfg.model_dump(mode="json", by_alias=True)}
 
 
 def keep_global_batch(cfg: Config, saved: dict[str, Any], ctx: DistContext) -> Config:
@@ -319,12 +446,16 @@ class _Interval:
         self.device = device
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
+        self.skipped = 0
         self.tokens = 0
         self.checkpoint_s = 0.0  # time the loop was blocked by checkpoint saves in this interval
         self.t0 = time.perf_counter()
 
-    def add(self, step_loss: torch.Tensor, tokens: int) -> None:
-        self.loss_sum += step_loss
+    def add(self, step_loss: torch.Tensor, tokens: int, skipped: bool = False) -> None:
+        if skipped:  # its loss is not finite: the average is over the steps that updated
+            self.skipped += 1
+        else:
+            self.loss_sum += step_loss
         self.steps += 1
         self.tokens += tokens
 
@@ -337,7 +468,8 @@ class _Interval:
         mem = all_reduce_max(_peak_memory_gib(self.device), self.device)
         tps = tokens / seconds
         record = {
-            "step": step, "loss": loss_sum / self.steps, "lr": lr, "grad_norm": float(grad_norm),
+            "step": step, "loss": loss_sum / (self.steps - self.skipped) if self.steps > self.skipped else math.nan,
+            "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / ctx.world,
             "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
             "step_time_s": seconds / self.steps,
@@ -345,7 +477,7 @@ class _Interval:
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
         self.loss_sum.zero_()
-        self.steps, self.tokens, self.checkpoint_s, self.t0 = 0, 0, 0.0, time.perf_counter()
+        self.steps, self.skipped, self.tokens, self.checkpoint_s, self.t0 = 0, 0, 0, 0.0, time.perf_counter()
         return record
 
 

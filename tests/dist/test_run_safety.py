@@ -1,0 +1,119 @@
+"""A run's safety nets through the real CLI: one run per output directory (the lock), and numerical faults
+(non-finite loss or gradient norm: skip, count, stop with a checkpoint after N in a row)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, _env
+
+from shardtune.checkpoint.export import checkpoint_tensors
+from shardtune.checkpoint.layout import resolve_checkpoint
+from shardtune.checkpoint.runlock import LOCK, lock_run_dir, release_run_dir
+from shardtune.train.loop import TEST_NAN_ENV as NAN_ENV
+
+pytestmark = pytest.mark.dist
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+STEPS = 400  # long enough (10-20 s here) that the second run's checks end while the first trains
+
+
+def _args(out: Path, cache: Path, *extra: str) -> list[str]:
+    return ["train", TINY, "--nproc", "1", "--output-dir", str(out), "train.micro_batch_size=4", "log.every=1",
+            "log.progress=false", "train.eval_every=0", "train.eval_batches=1", f"data.cache_dir={cache}", *extra]
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused_while_the_first_runs(tmp_path, cli):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    first = subprocess.Popen([sys.executable, "-m", "shardtune", *_args(out, cache, f"train.max_steps={STEPS}")],
+                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the first run never logged a step"
+            time.sleep(0.5)
+        second = cli(*_args(out, cache, "train.max_steps=2"))
+        assert first.poll() is None, "the first run ended before the second one was tried"
+    except BaseException:
+        first.kill()
+        first.wait()
+        raise
+    assert second.returncode == 2 and "Traceback" not in second.stderr
+    line = second.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out} is in use by another shardtune run (pid {first.pid} on host ")
+    assert "another --output-dir" in line
+    _, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps == list(range(1, STEPS + 1))  # the second run wrote nothing there
+    # The lock died with its process: the next run (here: this process) takes it.
+    lock_run_dir(out)
+    release_run_dir(out)
+    assert (out / LOCK).is_file()
+
+
+def _launch(*args: str, nan_steps: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardtune", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=_env({NAN_ENV: nan_steps}))
+
+
+def _records(out: Path) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if "loss" in r}
+
+
+def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    return {name: t.load() for name, t in checkpoint_tensors(step_dir).items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "run"
+    proc = _launch(*_args(out, tmp_path / "cache", "train.max_steps=5", "checkpoint.every_steps=1",
+                          "checkpoint.keep_last=5"), nan_steps="3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 3: non-finite loss or gradient norm; update skipped" in proc.stderr
+    records = _records(out)
+    assert [records[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5))
+    ckpts = out / "checkpoints"
+    # Step 3 left model (and optimizer) as step 2 wrote them: the same as a run without that update.
+    assert _same(_weights(ckpts / "step-00000002"), _weights(ckpts / "step-00000003"))
+    assert not _same(_weights(ckpts / "step-00000003"), _weights(ckpts / "step-00000004"))
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_max_bad_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_weights(tmp_path):
+    out = tmp_path / "run"
+    proc = _launch(*_args(out, tmp_path / "cache", "train.max_steps=8", "train.max_bad_steps=3",
+                          "checkpoint.every_steps=1", "checkpoint.keep_last=8", "--nproc", "2"),
+                   nan_steps="2,3,4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(error) == 1 and "step 4: 3 steps in a row had a non-finite loss" in error[0]
+    assert "train.max_bad_steps=3" in error[0] and "--resume auto" in error[0]
+    ckpts = out / "checkpoints"
+    assert resolve_checkpoint("auto", ckpts, check=True) == ckpts / "step-00000004"
+    assert _same(_weights(ckpts / "step-00000001"), _weights(ckpts / "step-00000004"))
+    assert not (ckpts / "step-00000005").exists() and not (out / "model").exists()
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    out = tmp_path / "run"
+    proc = _launch(*_args(out, tmp_path / "cache", "train.max_steps=3", "train.skip_nonfinite=false",
+                          "checkpoint.at_end=false"), nan_steps="2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: step 3: the weights hold NaN or Inf values; no model was written" in proc.stderr
+    assert not (out / "model").exists() and not (out / "checkpoints").exists()
