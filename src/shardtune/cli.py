@@ -164,6 +164,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> int:
     """Body of each torchrun process; ends through clean_exit so gloo cannot abort a finished run."""
+    from shardtune import stop
+
+    stop.die_with_parent()  # first: no orphan may outlive a killed launcher
+    stop.install()  # before the slow imports, so an early SIGUSR1 does not kill the worker
     from shardtune.config import load_config
     from shardtune.dist import clean_exit
 
@@ -174,7 +178,7 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> in
 
         cfg = load_config(config, overrides)
         check_worker(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        run_training(cfg, overwrite=overwrite)
+        code = run_training(cfg, overwrite=overwrite).summary["exit_code"]  # 128 + N: stopped at signal N
     except ShardtuneError as err:
         # Every rank usually hits the same input error. torchrun stops all workers when the first
         # one exits, so the other ranks give rank 0 time to print the one line and exit first.
@@ -182,6 +186,8 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> in
             time.sleep(5)
         print(f"error: {err}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # a Ctrl-C before the loop's handlers were in place: no traceback
+        code = 130
     except BaseException:
         traceback.print_exc()
         code = 1

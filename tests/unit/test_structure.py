@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"data"},
     {"config"},
-    {"dist", "errors", "fileio", "metrics", "launch", "runtime"},
+    {"dist", "errors", "fileio", "metrics", "launch", "runtime", "stop"},
 ]
 # Known exceptions, each with its reason.
 UPWARD_ALLOWED = {

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from shardtune import stop as signals
 from shardtune.assemble import BuiltModel, assemble
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.formats import make_format
@@ -41,6 +42,7 @@ class RunState:
     """What the loop carries between steps."""
 
     step: int = 0
+    stopped_by: int = 0  # the stop signal (SIGTERM, SIGINT) the ranks agreed to stop at, 0 if none
     history: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
 
@@ -80,6 +82,14 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     """Train as `cfg` says on the current process group; every rank gets the result. `overwrite`
     (train --overwrite) lets the run replace a final model/adapter folder that shardtune did not write."""
     check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
+    signals.install()  # SIGTERM/SIGINT: finish the step, save, stop; SIGUSR1: save and go on
+    try:
+        return _run(cfg, ctx, overwrite)
+    finally:
+        signals.uninstall()
+
+
+def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     run = set_up(cfg, ctx or init_distributed())
     run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state)
     start = time.perf_counter()
@@ -89,6 +99,8 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
             _train_step(run, step, interval)
+            if run.state.stopped_by:
+                break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
                 run_eval(run.state.step)
@@ -219,8 +231,14 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         run.schedule.step()
     interval.add(step_loss, sum(b.num_tokens for b in micro))
     state.step = run.sampler.position = step + 1
-    if run.ckpt.due(state.step, last=state.step == run.stop):
+    request = signals.agree(ctx.device)  # every rank stops (or saves) after the same step
+    if request.stop:
+        state.stopped_by, run.stop = request.stop, state.step
+    asked = (request.stop or request.save) and state.step != run.ckpt.last_saved_step
+    if asked or run.ckpt.due(state.step, last=state.step == run.stop):
         interval.checkpoint_s += run.ckpt.save(state.step, backend, trainer_state(run))
+        if asked and not request.stop:
+            run.logger.print(f"saved a checkpoint at step {state.step} (SIGUSR1)")
     if state.step % run.cfg.log.every == 0 or state.step == run.stop:
         record = interval.flush(state.step, lr, grad_norm, run.flops_per_token, run.peak_flops, ctx)
         record["epoch"] = step // run.sampler.steps_per_epoch
@@ -267,6 +285,10 @@ def save_dtype(cfg: Config) -> str:
 
 def _done_line(run: Run, seconds: float) -> str:
     step, total = run.state.step, run.total_steps
+    if run.state.stopped_by:
+        return (f"stopped by {signals.signal_name(run.state.stopped_by)} after step {step} of {total} "
+                f"({seconds:.1f}s), checkpoint {run.ckpt.root / f'step-{step:08d}'}; continue with the same "
+                "command and --resume auto")
     if step < total:
         return f"stopped after step {step} of {total} ({seconds:.1f}s); continue with --resume auto"
     kind = "adapter" if run.built.adapters else "model"
@@ -411,6 +433,8 @@ def _summary(run: Run, seconds: float) -> dict[str, Any]:
         "precision": cfg.train.precision, "params": run.built.params, "train_seconds": seconds,
         "final_loss": last.get("loss"), "losses": [r["loss"] for r in state.history],
         "evals": state.evals, "output_dir": str(out),
+        "stopped_by": signals.signal_name(state.stopped_by) if state.stopped_by else None,
+        "exit_code": 128 + state.stopped_by if state.stopped_by else 0,
         "model_dir": str(out / "model") if final and not run.built.adapters else None,
         "adapter_dir": str(out / "adapter") if final and run.built.adapters else None,
     }
