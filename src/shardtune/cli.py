@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _hardware_flags(t)
     t.add_argument("--force", action="store_true", help="run even when the planner predicts it will not fit")
     t.add_argument("--overwrite", action="store_true", help=OVERWRITE_TRAIN)
+    t.add_argument("--debug", action="store_true", help="on an error, show the full traceback too")
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("validate", help="check a config, its model and data without training")
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _hardware_flags(v)
     v.add_argument("--force", action="store_true", help="do not refuse a config the planner predicts will not fit")
     v.add_argument("--overwrite", action="store_true", help="check as `train --overwrite` would")
+    v.add_argument("--debug", action="store_true", help="on an error, show the full traceback too")
     v.set_defaults(func=cmd_validate)
 
     pl = sub.add_parser("plan", help="predict per-GPU memory and tokens/s for every way to run a config, and pick "
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR and everything in it even if shardtune did not write it (without it, a "
                         "non-empty OUT_DIR must be an earlier export of the same kind)")
+    e.add_argument("--debug", action="store_true", help="on an error, show the full traceback too")
     e.set_defaults(func=cmd_export)
 
     c = sub.add_parser("calibrate", help="measure this GPU machine's ceilings (matmul, memory, copies, NCCL, host "
@@ -146,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardtune.launch import LaunchOptions, resolve_nproc, run_torchrun, torchrun_args, under_torchrun
 
     if under_torchrun():
-        return _worker(args.config, _overrides(args), overwrite=args.overwrite)
+        return _worker(args.config, _overrides(args), overwrite=args.overwrite, debug=args.debug)
     from shardtune.config import load_config
     from shardtune.plan import auto_keys, auto_overrides
     from shardtune.validate import validate
@@ -157,7 +160,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
     # The launcher's plan fixed what the config left to auto: the workers get it as overrides.
     worker_args = ["train", args.config, *_overrides(args), *auto_overrides(cfg, auto),
-                   *(["--overwrite"] if args.overwrite else [])]
+                   *(["--overwrite"] if args.overwrite else []), *(["--debug"] if args.debug else [])]
     if cfg.checkpoint.resume:  # validate read it back once; the workers take that checkpoint, unread again
         from shardtune.checkpoint.layout import VERIFIED_ENV
 
@@ -177,8 +180,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             release_run_dir(out)
 
 
-def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> int:
+def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug: bool = False) -> int:
     """Body of each torchrun process; ends through clean_exit so gloo cannot abort a finished run."""
+    from shardtune import stop
+
+    stop.die_with_parent()  # first: no orphan may outlive a killed launcher
+    stop.install()  # before the slow imports, so an early SIGUSR1 does not kill the worker
     from shardtune.config import load_config
     from shardtune.dist import clean_exit
 
@@ -189,14 +196,18 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False) -> in
 
         cfg = load_config(config, overrides)
         check_worker(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        run_training(cfg, overwrite=overwrite)
+        code = run_training(cfg, overwrite=overwrite).summary["exit_code"]  # 128 + N: stopped at signal N
     except ShardtuneError as err:
         # Every rank usually hits the same input error. torchrun stops all workers when the first
         # one exits, so the other ranks give rank 0 time to print the one line and exit first.
         if os.environ.get("RANK", "0") != "0":
             time.sleep(5)
+        if debug:
+            traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # a Ctrl-C before the loop's handlers were in place: no traceback
+        code = 130
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -392,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return func(args)
     except ShardtuneError as err:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

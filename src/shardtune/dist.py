@@ -79,7 +79,7 @@ def clean_exit(code: int) -> NoReturn:
     """
     if dist.is_initialized():
         try:
-            if code == 0:
+            if code in (0, 130, 143):  # an orderly end (143, 130: stopped at a signal, with a checkpoint)
                 dist.barrier()
             dist.destroy_process_group()
         except Exception:

@@ -55,26 +55,48 @@ def run_torchrun(args: list[str], nproc: int) -> int:
 
     Running the elastic launcher in-process (as accelerate does) lets a worker's one-line user
     error stand alone: torchrun's ChildFailedError report would otherwise add a traceback to it.
-    Workers exit 2 for bad input, 1 for anything else.
+    Workers exit 2 for bad input, 1 for anything else, 128 + N after stopping at signal N with a checkpoint
+    (shardtune/stop.py): 143 for SIGTERM, 130 for SIGINT. The launcher's exit code is theirs.
     """
+    import signal
+
+    from shardtune import stop
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time, ever
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     # torchrun would set 1 thread per process (and print a banner about it); share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # A stop signal is forwarded by torchrun's agent, which then waits this long for the checkpoint.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(stop.graceful_shutdown_seconds))
+    os.environ[stop.LAUNCHER_PID] = str(os.getpid())  # a worker whose parent is another has lost its launcher
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    previous = signal.signal(stop.SAVE_SIGNAL, stop.forward_to_children)
     try:
         torchrun.run(torchrun.parse_args(args))
+    except SignalException as err:
+        # torchrun forwarded the signal and waited for the workers, which saved and said how to resume. A second
+        # one while it waited (raised during the first's handling) killed them: they die with this process.
+        if isinstance(err.__context__, SignalException):
+            print(f"error: {err.sigval.name} again: stopped without waiting for the checkpoint; --resume auto "
+                  "continues from the last complete one", file=sys.stderr)
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         codes = sorted({failure.exitcode for failure in err.failures.values()})
         if 2 in codes:
             return 2  # the worker printed the one-line error
+        stopped = set(codes) & {128 + int(s) for s in stop.STOP_SIGNALS}
+        if stopped and set(codes) <= stopped | {0}:
+            return max(stopped)  # the workers themselves were signalled (Slurm signals every process) and saved
         print(f"error: worker process failed (exit code {', '.join(map(str, codes))}); see its output above",
               file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        signal.signal(stop.SAVE_SIGNAL, previous)
     return 0

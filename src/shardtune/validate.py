@@ -46,7 +46,10 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world, device=device_type())
+    check_output_dir(cfg.train.output_dir)
     check_final_dir(cfg, overwrite)
+    if cfg.model.path:
+        check_weight_files(Path(cfg.model.path))
     tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(tokenizer, hf_config)
     resume = check_resume(cfg, world * nnodes, verify=True)
@@ -71,6 +74,44 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         return cfg
     _report(cfg, hf_config, tokenizer, world, plan)
     return cfg
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The run directory must be a folder, or creatable: its nearest existing parent a folder."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ShardtuneError(f"train.output_dir: {output_dir!r} is a file, not a folder; give a folder path "
+                             "(--output-dir DIR)")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ShardtuneError(f"train.output_dir: cannot create {output_dir!r}: {str(parent)!r} is a file; give "
+                             "another --output-dir")
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Each safetensors file of the model is whole: its header parses and its tensors end where the file ends
+    (reads the headers only). A truncated download or a damaged file stops here with its name, not as a
+    traceback from every rank when the workers load it."""
+    import json
+    import struct
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as handle:
+                (n,) = struct.unpack("<Q", handle.read(8))
+                if n > size - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(handle.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as err:
+            raise ShardtuneError(f"model.path: {str(f)!r} is not a valid safetensors file ({err}); the file is "
+                                 "damaged or cut short: copy or download it again") from None
+        if 8 + n + end != size:
+            raise ShardtuneError(f"model.path: {str(f)!r} is truncated or corrupt ({size:,} bytes, its header "
+                                 f"says {8 + n + end:,}); copy or download it again")
 
 
 def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None) -> None:

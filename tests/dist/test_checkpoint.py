@@ -328,3 +328,99 @@ def test_qlora_on_one_process_resumes_exactly(tmp_path, cache):
     assert sorted(b) == list(range(1, STEPS + 1))
     assert max(abs(a[s] - b[s]) for s in a) <= 1e-6
     assert b[STEPS] < b[1]
+
+
+# --- Signals: a scheduler's SIGTERM, SIGUSR1, and a launcher killed with kill -9 -------------------------------
+
+def _start(out: Path, cache: str, *extra: str, steps: int = STEPS) -> tuple[subprocess.Popen, Path]:
+    """`shardtune train` as in `train` (the reference's config), in its own process group, stderr to a file."""
+    out.mkdir(parents=True)
+    log = out.parent / "stderr.txt"
+    cmd = [sys.executable, "-m", "shardtune", "train", TINY, "--nproc", "2", "--output-dir", str(out),
+           f"train.max_steps={steps}", "train.micro_batch_size=4", "train.grad_accum=2", "parallel.strategy=zero3",
+           "log.every=1", "log.progress=false", "train.eval_batches=1", f"data.cache_dir={cache}", *extra]
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+    return proc, log
+
+
+def _wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None, f"exited {proc.returncode} before {text!r}:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, f"no {text!r} in {timeout} s"
+        time.sleep(0.02)
+
+
+def _reap(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Never leave a process of a test behind, whatever it asserted."""
+    for pid in [proc.pid, *pids]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_sigterm_saves_the_current_step_and_resume_continues_exactly(tmp_path, reference, cache):
+    out = tmp_path / "run"
+    proc, log = _start(out, cache, "checkpoint.every_steps=100")
+    try:
+        _wait_for(proc, log, "step 0: eval")  # the workers are in the loop, their handlers in place
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=240)
+    finally:
+        _reap(proc, [])
+    err = log.read_text()
+    assert code == 143, err[-3000:]
+    assert "Traceback" not in err
+    stopped = losses(out)
+    step = max(stopped)
+    assert step < STEPS  # stopped mid-run, after the step it was in
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == [f"step-{step:08d}"]
+    assert f"stopped by SIGTERM after step {step} of {STEPS}" in err and "--resume auto" in err
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
+    assert not (out / "model").exists()
+    proc2 = train(out, cache, "--resume", "auto")
+    assert f"resumed from {out / 'checkpoints' / f'step-{step:08d}'}" in proc2.stderr
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - reference[s]) for s in reference) <= 1e-6
+
+
+def test_sigusr1_saves_and_the_run_goes_on(tmp_path, reference, cache):
+    out = tmp_path / "run"
+    proc, log = _start(out, cache, "checkpoint.every_steps=100", "checkpoint.keep_last=5")
+    try:
+        _wait_for(proc, log, "step 0: eval")
+        proc.send_signal(signal.SIGUSR1)
+        code = proc.wait(timeout=240)
+    finally:
+        _reap(proc, [])
+    err = log.read_text()
+    assert code == 0, err[-3000:]
+    saved = [int(p.name.split("-")[1]) for p in complete_checkpoints(out / "checkpoints")]
+    assert len(saved) == 2 and saved[0] < STEPS and saved[1] == STEPS  # the asked-for one, and the last
+    assert f"saved a checkpoint at step {saved[0]} (SIGUSR1)" in err
+    assert (out / "model").is_dir()
+    assert max(abs(losses(out)[s] - reference[s]) for s in reference) <= 1e-6  # saving changed nothing
+
+
+def test_kill_9_of_the_launchers_group_leaves_no_worker(tmp_path, cache):
+    out = tmp_path / "run"
+    proc, log = _start(out, cache, "checkpoint.every_steps=1", steps=2000)
+    pids: list[int] = []
+    try:
+        _wait_for(proc, log, "step 0: eval")
+        pids = [p for p in descendants(proc.pid) if p != proc.pid]
+        assert len(pids) >= 2  # the two workers (and any helper processes of theirs)
+        os.killpg(proc.pid, signal.SIGKILL)  # the workers run in sessions of their own: this does not reach them
+        proc.wait()
+        time.sleep(10)
+        alive = [p for p in pids if Path(f"/proc/{p}").exists()
+                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not alive, f"workers still running after the launcher was killed: {alive}"
+        before = sorted((p.name, p.stat().st_size) for p in out.rglob("*") if p.is_file())
+        time.sleep(1)
+        assert sorted((p.name, p.stat().st_size) for p in out.rglob("*") if p.is_file()) == before
+    finally:
+        _reap(proc, pids)

@@ -375,3 +375,42 @@ def test_stale_lock_is_taken_over_and_foreign_lock_waited_for(tmp_path):
             cached_store("k3", tmp_path, lambda: make_rows(5), WordEncoder(), num_proc=1, strict=False,
                          rank_is_builder=True, wait_timeout_s=0.3, poll_s=0.05)
     assert not (tmp_path / "k3").exists()
+
+
+# ---- the cache key against the settings that change what is trained ----------------------------------------
+
+def _data_cfg(tmp_path: Path, path: Path, **kw):
+    from shardtune.config import DataConfig
+
+    return DataConfig(train_file=str(path), cache_dir=str(tmp_path / "cache"), num_proc=1, eval_fraction=0.0, **kw)
+
+
+def test_strict_after_a_lenient_run_does_not_reuse_its_cache(tmp_path):
+    from shardtune.data.pipeline import build_data
+    from shardtune.errors import ShardtuneError
+    from shardtune.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    path = tmp_path / "some_bad.jsonl"
+    path.write_text('{"prompt": "a=", "completion": "b"}\n{"prompt": "a="\n{"prompt": "c=", "completion": "d"}\n')
+    lenient = build_data(_data_cfg(tmp_path, path), tok, 16, seed=0)
+    assert len(lenient.train) == 2  # the bad row skipped and counted, into the cache
+    with pytest.raises(ShardtuneError, match=r"some_bad\.jsonl:2: "):  # the same file, same cache: still stops
+        build_data(_data_cfg(tmp_path, path, strict=True), tok, 16, seed=0)
+
+
+@pytest.mark.parametrize(("name", "content", "says"), [
+    ("empty.jsonl", b"", "is empty"),
+    ("latin1.jsonl", '{"text": "caf\u00e9 cr\u00e8me"}\n'.encode("latin-1") * 3, "is not UTF-8 text"),
+    ("latin1.csv", 'text\ncaf\u00e9\n'.encode("latin-1"), "is not UTF-8 text"),
+])
+def test_empty_or_not_utf8_file_says_so(tmp_path, name, content, says):
+    from shardtune.data.pipeline import build_data
+    from shardtune.errors import ShardtuneError
+    from shardtune.models.tokenizer import load_tokenizer
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ShardtuneError, match=says) as info:
+        build_data(_data_cfg(tmp_path, path), load_tokenizer(None), 16, seed=0)
+    assert "no row has the fields" not in str(info.value) and "\n" not in str(info.value)

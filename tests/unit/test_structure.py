@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"data"},
     {"config"},
     {"dist", "errors", "fileio", "metrics", "launch", "runtime"},
+    {"stop"},  # signal flags and handlers, stdlib only: launch (the launcher's side) imports it
 ]
 # Known exceptions, each with its reason.
 UPWARD_ALLOWED = {

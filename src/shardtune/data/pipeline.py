@@ -122,9 +122,18 @@ class PackedView:
 # ---- per source ------------------------------------------------------------------------------------
 
 def _first_good_row(source: SourceConfig) -> dict[str, Any]:
+    rows, not_utf8 = 0, None
     for item in iter_rows(source.path, source.split):
+        rows += 1
         if item.row is not None and detect_format(item.row, source) is not None:
             return item.row
+        if item.row is None and item.error and "UTF-8" in item.error:
+            not_utf8 = not_utf8 or item.where
+    if rows == 0:
+        raise ShardtuneError(f"data source {source.path!r} is empty (no rows); point data at a file with examples")
+    if not_utf8 is not None:
+        raise ShardtuneError(f"data source {source.path!r} is not UTF-8 text (first at {not_utf8}); convert it, "
+                             f"e.g. iconv -f latin1 -t utf-8")
     raise ShardtuneError(f"data source {source.path!r}: no row has the fields of any format "
                          f"(text, prompt+completion, messages, instruction+output); map columns with `fields`")
 
@@ -147,8 +156,14 @@ def tokenize_source(source: SourceConfig, cfg: DataConfig, tokenizer: Any, *,
                     builder: bool) -> tuple[TokenStore, RenderSpec, str | None, bool]:
     """The source's TokenStore, from the cache or built now (by `builder`; the others wait)."""
     spec, label = render_spec(source, cfg, tokenizer)
+    # The key holds every setting that changes what the store holds: the source's bytes (and split), the
+    # tokenizer (vocabulary, special tokens, its chat template), the render spec (format, fields -> columns,
+    # chat_template, train_on, add_eos, the encoder's version) and strict (a lenient build skips bad rows that a
+    # strict run must stop at). Settings applied to a store after it is read are left out, so changing them never
+    # re-tokenizes: train.seq_len, truncation, packing, weight, max_examples, fraction, eval_fraction, seed.
+    # num_proc and cache_dir change where and how fast, not what.
     key = cache_key(source_fingerprint(source.path, source.split), tokenizer_fingerprint(tokenizer),
-                    spec.fingerprint())
+                    spec.fingerprint(), f"strict={cfg.strict}")
     root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_root()
     store, hit = cached_store(key, root, lambda: iter_rows(source.path, source.split),
                               RowEncoder(tokenizer, spec), num_proc=_num_proc(cfg), strict=cfg.strict,

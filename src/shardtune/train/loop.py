@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shardtune import stop as signals
 from shardtune.assemble import BuiltModel, assemble
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.formats import make_format
@@ -49,6 +50,7 @@ class RunState:
     """What the loop carries between steps."""
 
     step: int = 0
+    stopped_by: int = 0  # the stop signal (SIGTERM, SIGINT) the ranks agreed to stop at, 0 if none
     history: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0  # steps whose update was skipped for a non-finite loss / grad norm, over the whole run
@@ -92,6 +94,14 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     """Train as `cfg` says on the current process group; every rank gets the result. `overwrite`
     (train --overwrite) lets the run replace a final model/adapter folder that shardtune did not write."""
     check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
+    signals.install()  # SIGTERM/SIGINT: finish the step, save, stop; SIGUSR1: save and go on
+    try:
+        return _run(cfg, ctx, overwrite)
+    finally:
+        signals.uninstall()
+
+
+def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     ctx = ctx or init_distributed()
     if ctx.is_main:  # a no-op under `shardtune train`, whose launcher holds it; torchrun started us directly
         lock_run_dir(Path(cfg.train.output_dir))
@@ -104,7 +114,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
             _train_step(run, step, interval)
-            if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
+            if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
@@ -275,9 +285,15 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     stop_bad = _count_bad_step(run, skipped)
     if not skipped:
         _watch_spikes(run, step_loss)
-    if run.ckpt.due(state.step, last=state.step == run.stop) or stop_bad:
+    request = signals.agree(ctx.device)  # every rank stops (or saves) after the same step
+    if request.stop:
+        state.stopped_by, run.stop = request.stop, state.step
+    asked = (request.stop or request.save) and state.step != run.ckpt.last_saved_step
+    if asked or stop_bad or run.ckpt.due(state.step, last=state.step == run.stop):
         check_finite_weights(run, "checkpoint")
         interval.checkpoint_s += run.ckpt.save(state.step, backend, trainer_state(run))
+        if asked and not request.stop:
+            run.logger.print(f"saved a checkpoint at step {state.step} (SIGUSR1)")
     if state.step % run.cfg.log.every == 0 or state.step == run.stop or stop_bad:
         record = interval.flush(state.step, lr, grad_norm, run.flops_per_token, run.peak_flops, ctx)
         record["epoch"] = step // run.sampler.steps_per_epoch
@@ -393,6 +409,10 @@ def save_dtype(cfg: Config) -> str:
 
 def _done_line(run: Run, seconds: float) -> str:
     step, total = run.state.step, run.total_steps
+    if run.state.stopped_by:
+        return (f"stopped by {signals.signal_name(run.state.stopped_by)} after step {step} of {total} "
+                f"({seconds:.1f}s), checkpoint {run.ckpt.root / f'step-{step:08d}'}; continue with the same "
+                "command and --resume auto")
     if step < total:
         return f"stopped after step {step} of {total} ({seconds:.1f}s); continue with --resume auto"
     kind = "adapter" if run.built.adapters else "model"
@@ -543,6 +563,8 @@ def _summary(run: Run, seconds: float) -> dict[str, Any]:
         "precision": cfg.train.precision, "params": run.built.params, "train_seconds": seconds,
         "final_loss": last.get("loss"), "losses": [r["loss"] for r in state.history],
         "evals": state.evals, "output_dir": str(out),
+        "stopped_by": signals.signal_name(state.stopped_by) if state.stopped_by else None,
+        "exit_code": 128 + state.stopped_by if state.stopped_by else 0,
         "model_dir": str(out / "model") if final and not run.built.adapters else None,
         "adapter_dir": str(out / "adapter") if final and run.built.adapters else None,
     }
