@@ -123,6 +123,7 @@ def main() -> None:
         mode = f"hf_peft_{args.mode}" if args.mode != "full" else "hf_trainer" + ("_ds" if args.deepspeed else "")
         print("RESULT " + json.dumps({"mode": mode, "size": args.size, "world": world,
                                       "seq": args.seq, "mbs": args.mbs, "step_s_median": round(med, 4),
+                                      "precision": "bf16" if gpu else "fp32",  # TrainingArguments(bf16=gpu)
                                       "tokens_per_s_per_gpu": round(args.mbs * args.seq / med),
                                       "peak_alloc_gib": round(float(peak[0]), 2),
                                       "peak_reserved_gib": round(float(peak[1]), 2)}), flush=True)

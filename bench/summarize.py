@@ -6,12 +6,16 @@ Two ways to name the runs:
     python3 bench/summarize.py zero2=/tmp/run/zero2/metrics.jsonl hf_ds2=/tmp/hf_ds2.log
 
 A shardtune run is read from its metrics.jsonl (eval records, ``"eval": true``, are skipped); its
-steady state is the median over logged records whose ``step`` is above ``--warmup`` (each record
-covers ``log.every`` steps, so compile and warm-up stay out; records that include a checkpoint save
-are left out too). A baseline run is read from the last
+steady state is the median over logged records whose interval starts at or after ``--warmup`` (a record
+covers the steps after the previous record's, ``step - log.every``, up to its ``step``: a record that
+ends past the warm-up but began inside it still times warm-up steps; records that include a checkpoint
+save are left out too). A baseline run is read from the last
 ``RESULT {json}`` line of its log (hf_baseline.py already reports a median step time after warm-up).
 Ratios are tokens/s/GPU of the row divided by the reference run's (``--ref``, default hf_ds2),
-measured in the same call.
+measured in the same call. A ratio is refused (left empty, with a note) when the row's micro-batch,
+seq_len, world size or precision differs from the reference's. NAME=PATH pairs must come from one call
+(one folder, as core.sh writes them: DIR/NAME.log, DIR/NAME/metrics.jsonl); pairs from different folders
+are refused (exit 2) unless ``--cross-call`` marks the table as mixing calls.
 
 Manifest: one run per line, tab-separated: name, kind (shardtune | baseline | skipped), rc,
 wall seconds, log path, metrics path (empty for baselines).
@@ -94,6 +98,7 @@ def _read_run_config(metrics_path: Path) -> dict[str, Any]:
         return {}
     train, par = cfg.get("train", {}) or {}, cfg.get("parallel", {}) or {}
     return {"mbs": train.get("micro_batch_size"), "seq": train.get("seq_len"), "strategy": par.get("strategy"),
+            "log_every": (cfg.get("log") or {}).get("every"),
             "compile": par.get("compile"), "precision": train.get("precision"),
             "preset": (cfg.get("model") or {}).get("preset")}
 
@@ -113,7 +118,12 @@ def summarize_shardtune(name: str, metrics_path: str | Path, warmup: int) -> dic
     if not train:
         out["status"] = "no-data"
         return out
-    steady = [r for r in train if r.get("step", 0) > warmup]
+    every = out.pop("log_every", None)
+    # Each record times the interval since the previous record (log.every steps; the last may be shorter).
+    starts = [prev.get("step", 0) for prev in [{"step": 0}, *train[:-1]]]
+    if isinstance(every, int) and every > 0:
+        starts = [max(start, r.get("step", 0) - every) for start, r in zip(starts, train, strict=True)]
+    steady = [r for start, r in zip(starts, train, strict=True) if start >= warmup]
     # A record whose interval held a checkpoint save times the save, not training.
     saved = [r for r in steady if r.get("checkpoint_s")]
     if saved and len(saved) < len(steady):
@@ -137,6 +147,9 @@ def summarize_shardtune(name: str, metrics_path: str | Path, warmup: int) -> dic
         loss_last=train[-1].get("loss"),
         tokens_per_s_per_gpu_all=[round(r["tokens_per_sec_per_device"]) for r in train],
     )
+    last = train[-1]
+    if last.get("tokens_per_sec") and last.get("tokens_per_sec_per_device"):
+        out["world"] = round(last["tokens_per_sec"] / last["tokens_per_sec_per_device"])
     # Sanity: tokens per step and GPU / (micro_batch * seq_len) is 1.0 when no row is padded.
     mbs, seq, tps, st = out.get("mbs"), out.get("seq"), out["tokens_per_s_per_gpu"], out["step_time_s"]
     if mbs and seq and tps and st:
@@ -153,6 +166,7 @@ def summarize_baseline(name: str, log: str | Path) -> dict[str, Any]:
     out.update(
         status="ok",
         mode=res.get("mode"), size=res.get("size"), world=res.get("world"), seq=res.get("seq"), mbs=res.get("mbs"),
+        precision=res.get("precision"),
         tokens_per_s_per_gpu=res.get("tokens_per_s_per_gpu"),
         mfu=res.get("mfu_989"),
         step_time_s=res.get("step_s_median"),
@@ -198,18 +212,32 @@ def _finished(entry: dict[str, Any], res: dict[str, Any]) -> bool:
     return bool(metrics) and (Path(metrics).parent / "summary.json").is_file()
 
 
+# What must be equal for a throughput ratio to compare like with like: (field, what the note calls it).
+SAME_SHAPE = (("mbs", "micro-batch"), ("seq", "seq_len"), ("world", "world size"), ("precision", "precision"))
+
+
+def shape_mismatch(row: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """Why `row` cannot be divided by `base`: the fields both know and that differ, or None."""
+    diffs = [f"{label} {row[k]} vs {base[k]}" for k, label in SAME_SHAPE
+             if row.get(k) is not None and base.get(k) is not None and row[k] != base[k]]
+    return ", ".join(diffs) or None
+
+
 def add_ratios(results: list[dict[str, Any]], ref: str) -> None:
-    def tps(name: str) -> float | None:
+    def find(name: str) -> dict[str, Any] | None:
         for r in results:
             if r["name"] == name and r.get("tokens_per_s_per_gpu"):
-                return float(r["tokens_per_s_per_gpu"])
+                return r
         return None
 
     for key, ref_name in ((f"ratio_vs_{ref}", ref), (f"ratio_vs_{SECOND_REF}", SECOND_REF)):
-        base = tps(ref_name)
+        base = find(ref_name)
         for r in results:
             v = r.get("tokens_per_s_per_gpu")
-            r[key] = round(float(v) / base, 4) if base and v else None
+            why = shape_mismatch(r, base) if base else None
+            if why:
+                r.setdefault("ratio_refused", {})[ref_name] = why
+            r[key] = round(float(v) / float(base["tokens_per_s_per_gpu"]), 4) if base and v and not why else None
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -268,6 +296,8 @@ def render_notes(results: list[dict[str, Any]], warmup: int) -> str:
             notes.append(f"- {r['name']}: {r['exit_note']}" + (f" — {r['error']}" if r.get("error") else ""))
         if r.get("warmup_fallback"):
             notes.append(f"- {r['name']}: no record after step {warmup}; used the last record (warm-up included)")
+        for ref_name, why in (r.get("ratio_refused") or {}).items():
+            notes.append(f"- {r['name']}: no ratio vs {ref_name}: {why} (compare runs of one shape)")
         fill = r.get("fill")
         if fill is not None and fill < 0.99:
             notes.append(f"- {r['name']}: only {fill:.0%} of each micro-batch is real tokens (padding) — "
@@ -289,17 +319,39 @@ def parse_manifest(path: str | Path) -> list[dict[str, Any]]:
     return entries
 
 
+def _refuse(message: str) -> None:
+    """Bad input: one line on stderr, exit code 2 (no traceback)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_pairs(pairs: list[str]) -> list[dict[str, Any]]:
     entries = []
     for item in pairs:
         name, sep, path = item.partition("=")
         if not sep:
-            raise SystemExit(f"summarize: {item!r}: expected NAME=PATH (metrics.jsonl or a baseline log)")
+            _refuse(f"summarize: {item!r}: expected NAME=PATH (metrics.jsonl or a baseline log)")
         if path.endswith(".jsonl"):
             entries.append({"name": name, "kind": "shardtune", "metrics": path, "log": None, "rc": None})
         else:
             entries.append({"name": name, "kind": "baseline", "log": path, "rc": None})
     return entries
+
+
+def call_folder(entry: dict[str, Any]) -> Path:
+    """The folder one call wrote its runs into (core.sh: DIR/NAME/metrics.jsonl, DIR/NAME.log)."""
+    if entry.get("metrics"):
+        return Path(entry["metrics"]).resolve().parent.parent
+    return Path(entry["log"]).resolve().parent
+
+
+def check_one_call(entries: list[dict[str, Any]]) -> None:
+    """Refuse NAME=PATH pairs from different folders: ratios across calls (machines) mean nothing."""
+    folders = {call_folder(e) for e in entries}
+    if len(folders) > 1:
+        names = ", ".join(f"{e['name']} ({call_folder(e)})" for e in entries)
+        _refuse(f"summarize: the runs come from {len(folders)} folders, i.e. different calls: {names}; "
+                "summarize one call's runs, or pass --cross-call to mark the table as mixing calls")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,9 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-out", help="write every run's metrics.jsonl records here, tagged with 'variant'")
     ap.add_argument("--table", help="write the markdown table here too")
     ap.add_argument("--title", default="", help="a line printed above the table")
+    ap.add_argument("--cross-call", action="store_true",
+                    help="allow NAME=PATH runs from different calls (folders); the table says so")
     args = ap.parse_args(argv)
 
-    entries = (parse_manifest(args.manifest) if args.manifest else []) + parse_pairs(args.runs)
+    pairs = parse_pairs(args.runs)
+    if not args.cross_call:
+        check_one_call(pairs)
+    entries = (parse_manifest(args.manifest) if args.manifest else []) + pairs
     if not entries:
         ap.error("no runs: pass --manifest or NAME=PATH pairs")
     results = []
@@ -337,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                     for row in read_jsonl(e["metrics"]):
                         f.write(json.dumps({"variant": e["name"], **row}) + "\n")
     notes = render_notes(results, args.warmup)
+    if args.cross_call:
+        notes = ("- runs from different calls (--cross-call): ratios compare different machines or times\n"
+                 + notes).strip()
     table = render_table(results, args.ref)
     text = "\n\n".join(x for x in (args.title, notes, table) if x)
     if args.table:

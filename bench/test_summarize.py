@@ -14,7 +14,8 @@ import make_long_text
 import summarize
 
 
-def _metrics(path: Path, tps_by_step: dict[int, float], seq: int = 2048, mbs: int = 4) -> Path:
+def _metrics(path: Path, tps_by_step: dict[int, float], seq: int = 2048, mbs: int = 4, every: int = 5,
+             precision: str = "bf16") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for step, tps in tps_by_step.items():
@@ -23,13 +24,15 @@ def _metrics(path: Path, tps_by_step: dict[int, float], seq: int = 2048, mbs: in
                                 "peak_mem_gib": 30.0 + step / 100, "peak_reserved_gib": 33.0,
                                 "step_time_s": mbs * seq / tps}) + "\n")
         f.write(json.dumps({"eval": True, "step": 40, "eval_loss": 1.0, "eval_accuracy": 0.0}) + "\n")
-    (path.parent / "config.yaml").write_text(f"train:\n  micro_batch_size: {mbs}\n  seq_len: {seq}\nparallel:\n"
-                                             "  strategy: zero2\n  compile: false\n")
+    (path.parent / "config.yaml").write_text(f"train:\n  micro_batch_size: {mbs}\n  seq_len: {seq}\n"
+                                             f"  precision: {precision}\nparallel:\n  strategy: zero2\n"
+                                             f"  compile: false\nlog:\n  every: {every}\n")
     return path
 
 
-def _result_log(path: Path, mode: str, tps: int) -> Path:
-    res = {"mode": mode, "size": "1b", "world": 2, "seq": 2048, "mbs": 4, "step_s_median": 8192 / tps,
+def _result_log(path: Path, mode: str, tps: int, **shape: object) -> Path:
+    res = {"mode": mode, "size": "1b", "world": 2, "seq": 2048, "mbs": 4, "precision": "bf16", **shape,
+           "step_s_median": 8192 / tps,
            "tokens_per_s_per_gpu": tps, "mfu_989": 0.336, "peak_alloc_gib": 34.4, "peak_reserved_gib": 36.0}
     path.write_text("[rank0]: some noise\nRESULT " + json.dumps(res) + "\n")
     return path
@@ -122,3 +125,46 @@ def test_checkpoint_bench_sums_the_excess_during_a_save_and_over_as_many_steps_b
     assert checkpoint._extra_during_saves(recs, 1.0) == pytest.approx([2.0 + 0.5])
     assert checkpoint._extra_before_saves(recs, 1.0) == pytest.approx([-0.1 + 0.0])  # steps 5 and 6
     assert checkpoint._extra_before_saves(recs[3:], 1.0) == []  # too few steps before the save
+
+
+def test_warmup_is_excluded_by_where_each_interval_starts(tmp_path: Path) -> None:
+    # log.every 5, warm-up 12: the record at step 15 times steps 11-15, two of them warm-up; the median must
+    # start at the record whose interval starts after step 12 (step 20 covers 16-20).
+    m = _metrics(tmp_path / "z" / "metrics.jsonl", {5: 100.0, 10: 200.0, 15: 300.0, 20: 40000.0, 25: 42000.0})
+    r = summarize.summarize_shardtune("z", m, warmup=12)
+    assert r["steady_steps"] == [20, 25] and r["tokens_per_s_per_gpu"] == 41000.0
+    # the last record may cover fewer steps (the run's end): it starts where the previous one ended
+    m = _metrics(tmp_path / "y" / "metrics.jsonl", {5: 100.0, 10: 200.0, 12: 300.0, 15: 40000.0})
+    assert summarize.summarize_shardtune("y", m, warmup=12)["steady_steps"] == [15]
+
+
+@pytest.mark.parametrize(("field", "row", "why"), [
+    ("mbs", {"mbs": 8}, "micro-batch 8 vs 4"), ("seq", {"seq": 4096}, "seq_len 4096 vs 2048"),
+    ("world", {"world": 1}, "world size 1 vs 2"), ("precision", {"precision": "fp32"}, "precision fp32 vs bf16")])
+def test_a_row_of_another_shape_than_its_baseline_gets_no_ratio(tmp_path: Path, field, row, why) -> None:
+    shape = {"mbs": 4, "seq": 2048, "precision": "bf16", **{k: v for k, v in row.items() if k != "world"}}
+    ok = _metrics(tmp_path / "zero2" / "metrics.jsonl", {15: 44000.0, 20: 44000.0}, **shape)
+    if field == "world":  # tokens_per_sec = 2 x per device in _metrics: move the baseline instead
+        ref = _result_log(tmp_path / "hf_ds2.log", "hf_ds2", 40000, world=4)
+        why = "world size 2 vs 4"
+    else:
+        ref = _result_log(tmp_path / "hf_ds2.log", "hf_ds2", 40000)
+    same = _metrics(tmp_path / "zero3" / "metrics.jsonl", {15: 42000.0, 20: 42000.0})
+    out = tmp_path / "results.jsonl"
+    assert summarize.main([f"zero2={ok}", f"zero3={same}", f"hf_ds2={ref}", "--results", str(out)]) == 0
+    rows = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["zero2"]["ratio_vs_hf_ds2"] is None and rows["zero2"]["ratio_refused"] == {"hf_ds2": why}
+    if field != "world":
+        assert rows["zero3"]["ratio_vs_hf_ds2"] == 1.05  # the same shape keeps its ratio
+
+
+def test_pairs_from_different_calls_are_refused_unless_marked(tmp_path: Path, capsys) -> None:
+    a = _metrics(tmp_path / "call1" / "zero2" / "metrics.jsonl", {15: 44000.0, 20: 44000.0})
+    ref = _result_log(tmp_path / "call2.log", "hf_ds2", 40000)
+    with pytest.raises(SystemExit) as err:
+        summarize.main([f"zero2={a}", f"hf_ds2={ref}"])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err.strip()
+    assert "different calls" in msg and "--cross-call" in msg and "\n" not in msg
+    assert summarize.main([f"zero2={a}", f"hf_ds2={ref}", "--cross-call"]) == 0
+    assert "runs from different calls (--cross-call)" in capsys.readouterr().out
