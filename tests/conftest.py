@@ -80,6 +80,15 @@ def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600,
     return proc
 
 
+def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    """The promise for bad input: exit code 2, one `error:` line naming the problem, no traceback."""
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
 def shardtune(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """The real console entry point, as a user runs it."""
     return run([sys.executable, "-m", "shardtune", *args], timeout)

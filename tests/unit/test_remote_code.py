@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, _env
+from conftest import ROOT, _env, one_line_error
 
 from shardtune.config import ModelConfig
 from shardtune.errors import ShardtuneError
@@ -57,20 +57,12 @@ def _answering_yes(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
-def _one_line_error(proc, *fragments: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 @pytest.mark.parametrize("command", ["validate", "train"])
 def test_custom_model_type_is_refused_and_its_code_never_runs(tmp_path, command):
     folder, ran = _model_dir(tmp_path, "custom_llm")
     proc = _answering_yes(tmp_path, command, TINY, "model.preset=null", f"model.path={folder}",
                           f"train.output_dir={tmp_path / 'run'}")
-    _one_line_error(proc, "model.path", "auto_map", "'custom_llm'", "model.trust_remote_code=true")
+    one_line_error(proc, "model.path", "auto_map", "'custom_llm'", "model.trust_remote_code=true")
     assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
     assert not ran.exists()
     assert not (tmp_path / "run").exists()
