@@ -22,6 +22,7 @@ from conftest import ROOT, Payload, shardtune, torchrun
 from shardtune.checkpoint.deepspeed_files import ALLOWED_GLOBALS, STATE_DIR, check_pickles, deepspeed_model_tensors
 from shardtune.checkpoint.export import export_checkpoint
 from shardtune.checkpoint.formats import stored_format
+from shardtune.checkpoint.layout import _synced_file_info
 from shardtune.errors import ShardtuneError
 
 pytestmark = pytest.mark.dist
@@ -98,7 +99,7 @@ def test_payload_planted_in_a_real_checkpoint_stops_export(ckpts, tmp_path):
         deepspeed_model_tensors(step)
     # Whoever can plant a file can rewrite the manifest too: the command must still refuse it.
     manifest = json.loads((step / "manifest.json").read_text())
-    manifest["files"][str(target.relative_to(step))]["size"] = target.stat().st_size
+    manifest["files"][str(target.relative_to(step))] = _synced_file_info(target)  # size and checksum
     (step / "manifest.json").write_text(json.dumps(manifest))
     proc = shardtune("export", str(step), str(tmp_path / "out"))
     assert proc.returncode == 2, proc.stderr[-2000:]
