@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,22 +157,73 @@ class CliResult:
     stderr: str
 
 
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
-    """`shardtune ARGS` in the test's own process: `cli.main` as the console script calls it, with its printed
-    output. No interpreter start (5-10 s with torch); the two smoke tests in test_cli.py run the real command."""
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def in_this_process(env: dict[str, str] | None = None) -> Iterator[Callable[[], tuple[str, str]]]:
+    """Run a command's code here as a subprocess would run it, and put this process back afterwards.
+
+    Inside: the environment `run` gives a subprocess (one thread per process, offline, plus `env`), the repository
+    as working directory, and stdout/stderr captured at the file descriptors, so the lines of the processes the
+    command starts (torchrun's workers) are caught too. The yielded function returns (stdout, stderr) once the
+    block has ended. Afterwards the environment (the launcher sets variables for its workers), the working
+    directory and the signal handlers (torchrun's agent installs its own) are what they were: one command cannot
+    leak into the next test."""
+    saved_env, cwd = dict(os.environ), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+    captured: dict[str, str] = {}
+    os.environ.update(_env(env))
+    os.chdir(ROOT)
+    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fds = os.dup(1), os.dup(2)
+        os.dup2(out_f.fileno(), 1)
+        os.dup2(err_f.fileno(), 2)
+        py_out, py_err = sys.stdout, sys.stderr
+        sys.stdout = open(1, "w", closefd=False, buffering=1)  # noqa: SIM115 - closed in the finally below
+        sys.stderr = open(2, "w", closefd=False, buffering=1)  # noqa: SIM115
+        try:
+            yield lambda: (captured["out"], captured["err"])
+        finally:
+            sys.stdout.close()
+            sys.stderr.close()
+            sys.stdout, sys.stderr = py_out, py_err
+            os.dup2(fds[0], 1)
+            os.dup2(fds[1], 2)
+            os.close(fds[0])
+            os.close(fds[1])
+            os.environ.clear()
+            os.environ.update(saved_env)
+            os.chdir(cwd)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            for name, f in (("out", out_f), ("err", err_f)):
+                f.seek(0)
+                captured[name] = f.read().decode(errors="replace")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
+    """`shardtune ARGS` in this process: `cli.main` as the console script calls it, with everything it and the
+    processes it starts printed (see `in_this_process`). No interpreter start for the command itself (5-10 s of
+    imports with torch and transformers): a `train` runs its launcher (validate, plan, the run-dir lock,
+    torchrun's agent) here and its workers as the real command does."""
     from shardtune.cli import main
 
-    def call(*args: str) -> CliResult:
-        capsys.readouterr()  # only this command's output
+    with in_this_process(env) as output:
         try:
             code = main(list(args))
         except SystemExit as err:  # argparse's usage errors exit 2, as the console script would
             code = err.code if isinstance(err.code, int) else int(err.code is not None)
-        out, err_text = capsys.readouterr()
-        return CliResult(code, out, err_text)
+    return CliResult(code, *output())
 
-    return call
+
+@pytest.fixture
+def cli() -> Callable[..., CliResult]:
+    """`run_cli` as a fixture: `shardtune ARGS` in the test's own process. The smoke tests in test_cli.py and
+    test_demo.py, and the tests that signal or kill the launcher, run the real command in a subprocess."""
+    return run_cli
 
 
 # --- Visible skips ------------------------------------------------------------------------------------------------
@@ -216,3 +268,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     outcome = yield
     _fail_skip_in_ci(outcome.get_result())
+
+
+# --- CPU seconds per test ------------------------------------------------------------------------------------------
+# SHARDTUNE_TEST_CPU_LOG=FILE appends one JSON line per test: the CPU seconds (user + system) of this process and
+# of every child it reaped during the test's setup, call and teardown. Unlike wall time, this does not grow when
+# other work shares the cores, so the suite's cost can be profiled on a busy machine (CI's 2 cores: wall ~ CPU / 2).
+_CPU_LOG = os.environ.get("SHARDTUNE_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_LOG:
+        yield
+        return
+    import time
+
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    yield
+    with open(_CPU_LOG, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2),
+                            "wall_s": round(time.perf_counter() - wall, 2)}) + "\n")

@@ -1,7 +1,7 @@
-"""Checkpoints through the real CLI on gloo processes: resume parity, resharding across world sizes
-and strategies, kill -9 during a save, async == sync, export round trip. Training runs the real command;
-exports call the CLI in this process (the `cli` fixture; tests/dist/test_deepspeed_checkpoints.py runs the
-real export command)."""
+"""Checkpoints through the CLI on gloo processes: resume parity, resharding across world sizes
+and strategies, kill -9 during a save, async == sync, export round trip. Commands run in this process
+(conftest.run_cli: the launcher here, its torchrun workers as real processes), except where a test signals or
+kills the launcher, which runs the real command in a subprocess."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _env, descendants, shardtune
+from conftest import ROOT, _env, descendants, run_cli
 
 from shardtune.checkpoint.dcp_files import SafeReader, read_tensor
 from shardtune.checkpoint.layout import complete_checkpoints, is_complete, resolve_checkpoint, verify
@@ -38,7 +38,7 @@ def train(out: Path, cache: str, *extra: str, nproc: int = 2, strategy: str = "z
             "train.micro_batch_size=4", f"train.grad_accum={accum}", f"parallel.strategy={strategy}",
             "log.every=1", "log.progress=false", "train.eval_batches=1", "checkpoint.every_steps=3",
             f"data.cache_dir={cache}", *extra]
-    proc = shardtune(*args)
+    proc = run_cli(*args)  # the launcher in this process, its workers as the real command starts them
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -182,7 +182,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
     assert newest is not None and is_complete(newest)
     verify(newest)
     step = int(newest.name.split("-")[1])
-    proc2 = shardtune("train", TINY, "--nproc", "2", "--output-dir", str(out), "train.max_steps=2000",
+    proc2 = run_cli("train", TINY, "--nproc", "2", "--output-dir", str(out), "train.max_steps=2000",
                       f"train.stop_after_step={step + 2}", "checkpoint.every_steps=1", "log.progress=false",
                       "train.eval_batches=1", f"data.cache_dir={cache}", "--resume", "auto")
     assert proc2.returncode == 0, proc2.stderr[-3000:]

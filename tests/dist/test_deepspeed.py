@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, max_diff, shardtune, worker_results
+from conftest import ROOT, max_diff, run_cli, worker_results
 
 from shardtune.parallel.deepspeed import async_io_available
 
@@ -81,7 +81,7 @@ def test_zero3_lora_saves_a_complete_adapter(results):
 
 
 def _train(out: Path, *extra: str, nproc: int = 2):
-    return shardtune("train", TINY, "--nproc", str(nproc), "--output-dir", str(out), "train.max_steps=8",
+    return run_cli("train", TINY, "--nproc", str(nproc), "--output-dir", str(out), "train.max_steps=8",
                      "train.micro_batch_size=4", "train.grad_accum=2", "parallel.backend=deepspeed",
                      "parallel.strategy=zero3", "log.every=1", "log.progress=false", "train.eval_batches=1",
                      "checkpoint.every_steps=3", "checkpoint.save_final=false", *extra)

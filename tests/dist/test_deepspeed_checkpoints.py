@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, Payload, shardtune, torchrun
+from conftest import ROOT, Payload, run_cli, shardtune, torchrun
 
 from shardtune.checkpoint.deepspeed_files import ALLOWED_GLOBALS, STATE_DIR, check_pickles, deepspeed_model_tensors
 from shardtune.checkpoint.export import export_checkpoint
@@ -116,8 +116,8 @@ def test_full_export_reloads_with_the_logits_at_save_time(ckpts, tmp_path, varia
 
     ref = _reference(ckpts, variant)
     out = tmp_path / "model"
-    if variant == "zero3-fp32-full":  # the real command line, several safetensors files
-        proc = shardtune("export", str(ckpts / variant / STEP), str(out), "--max-shard-size", "2MB")
+    if variant == "zero3-fp32-full":  # the command line (in this process), several safetensors files
+        proc = run_cli("export", str(ckpts / variant / STEP), str(out), "--max-shard-size", "2MB")
         assert proc.returncode == 0, proc.stderr[-3000:]
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
@@ -220,12 +220,12 @@ def test_cli_train_then_export_a_deepspeed_lora_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "2", "--output-dir", str(run),
-                     "parallel.backend=deepspeed", "parallel.strategy=zero2", "train.precision=bf16",
-                     "peft.method=lora", "train.max_steps=3", "train.lr=1e-2", "train.eval_batches=1",
-                     "log.progress=false", f"data.cache_dir={tmp_path / 'cache'}")
+    proc = run_cli("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "2", "--output-dir", str(run),
+                   "parallel.backend=deepspeed", "parallel.strategy=zero2", "train.precision=bf16",
+                   "peft.method=lora", "train.max_steps=3", "train.lr=1e-2", "train.eval_batches=1",
+                   "log.progress=false", f"data.cache_dir={tmp_path / 'cache'}")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = shardtune("export", str(run), str(tmp_path / "adapter"))
+    proc = run_cli("export", str(run), str(tmp_path / "adapter"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     final = load_file(str(run / "adapter" / "adapter_model.safetensors"))  # the bf16 adapters, widened

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run, shardtune
+from conftest import ROOT, in_this_process, run, run_cli, shardtune
 
 pytestmark = pytest.mark.dist
 
@@ -60,16 +60,14 @@ def test_started_by_torchrun_directly(tmp_path):
 
 
 def test_python_api(tmp_path):
-    code = (
-        "import shardtune, json, sys\n"
-        f"s = shardtune.train({TINY!r}, ['train.max_steps=3', 'parallel.strategy=zero2', 'train.eval_batches=1'],"
-        f" nproc=1, output_dir={str(tmp_path / 'api')!r})\n"
-        "print(json.dumps({'steps': s['steps'], 'strategy': s['strategy'], 'world': s['world_size']}))\n"
-    )
-    proc = run([sys.executable, "-c", code])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"steps": 3, "strategy": "zero2", "world": 1}
-    cfg = __import__("shardtune").load_config(tmp_path / "api" / "config.yaml")
+    import shardtune
+
+    with in_this_process():  # the API is called from a user's own Python process
+        s = shardtune.train(TINY, ["train.max_steps=3", "parallel.strategy=zero2", "train.eval_batches=1"], nproc=1,
+                            output_dir=str(tmp_path / "api"))
+    assert {"steps": s["steps"], "strategy": s["strategy"], "world": s["world_size"]} == {
+        "steps": 3, "strategy": "zero2", "world": 1}
+    cfg = shardtune.load_config(tmp_path / "api" / "config.yaml")
     assert cfg.parallel.strategy == "zero2" and cfg.train.max_steps == 3
 
 
@@ -77,7 +75,7 @@ def test_bad_row_with_strict_data_exits_2_with_one_line(tmp_path):
     data = tmp_path / "bad.jsonl"
     rows = (ROOT / "examples" / "data" / "tasks.jsonl").read_text().splitlines()[:40]
     data.write_text("\n".join([*rows, '{"prompt": "no completion"}']) + "\n")
-    proc = shardtune("train", TINY, f"data.train_file={data}", "data.strict=true",
+    proc = run_cli("train", TINY, f"data.train_file={data}", "data.strict=true",
                      f"data.cache_dir={tmp_path / 'cache'}", "--output-dir", str(tmp_path / "run"))
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -87,7 +85,7 @@ def test_bad_row_with_strict_data_exits_2_with_one_line(tmp_path):
 
 def test_tiny_chat_with_packing_learns(tmp_path):
     out = tmp_path / "chat"
-    proc = shardtune("train", str(ROOT / "examples" / "tiny-chat.yaml"), "--output-dir", str(out),
+    proc = run_cli("train", str(ROOT / "examples" / "tiny-chat.yaml"), "--output-dir", str(out),
                      "train.max_steps=60", "train.eval_every=0", "train.eval_batches=4",
                      f"data.cache_dir={tmp_path / 'cache'}")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -99,9 +97,9 @@ def test_tiny_chat_with_packing_learns(tmp_path):
 def test_strategy_and_micro_batch_auto_run_end_to_end(tmp_path):
     """`auto` takes the planner's pick before any process starts; the workers train with it and record it."""
     out = tmp_path / "auto"
-    proc = shardtune("train", TINY, "--output-dir", str(out), "parallel.strategy=auto", "train.micro_batch_size=auto",
+    proc = run_cli("train", TINY, "--output-dir", str(out), "parallel.strategy=auto", "train.micro_batch_size=auto",
                      "train.max_steps=3", "train.eval_every=0", "data.eval_fraction=0", "checkpoint.save_final=false",
-                     "checkpoint.at_end=false", timeout=600)
+                     "checkpoint.at_end=false")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "plan: fsdp2 " in proc.stdout and "(parallel.strategy, train.micro_batch_size: auto)" in proc.stdout
     import yaml
@@ -113,5 +111,5 @@ def test_strategy_and_micro_batch_auto_run_end_to_end(tmp_path):
     assert (plan["strategy"], plan["micro_batch_size"]) == (resolved["parallel"]["strategy"],
                                                            resolved["train"]["micro_batch_size"])
     assert [r for r in _records(out) if not r.get("eval")][-1]["step"] == 3
-    proc = shardtune("plan", "--check", str(out))
+    proc = run_cli("plan", "--check", str(out))
     assert proc.returncode == 0 and "peak allocated GiB" in proc.stdout and "tokens/s per GPU" in proc.stdout

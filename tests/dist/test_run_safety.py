@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _env
+from conftest import ROOT, _env, descendants, run_cli
 
 from shardtune.checkpoint.export import checkpoint_tensors
 from shardtune.checkpoint.layout import resolve_checkpoint
@@ -22,7 +25,7 @@ from shardtune.train.loop import TEST_NAN_ENV as NAN_ENV
 pytestmark = pytest.mark.dist
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
-STEPS = 400  # long enough (10-20 s here) that the second run's checks end while the first trains
+STEPS = 20  # the first run is frozen (SIGSTOP) while the second one is tried, so it need not be long
 
 
 def _args(out: Path, cache: Path, *extra: str) -> list[str]:
@@ -34,18 +37,27 @@ def test_a_second_run_into_the_same_output_dir_is_refused_while_the_first_runs(t
     out, cache = tmp_path / "run", tmp_path / "cache"
     first = subprocess.Popen([sys.executable, "-m", "shardtune", *_args(out, cache, f"train.max_steps={STEPS}")],
                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen: list[int] = []
     try:
         deadline = time.monotonic() + 240
         while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
             assert first.poll() is None, first.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the first run never logged a step"
-            time.sleep(0.5)
+            time.sleep(0.2)
+        # Freeze the first run (launcher and worker) mid-training: it holds the lock however slow this machine is.
+        frozen = descendants(first.pid)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
         second = cli(*_args(out, cache, "train.max_steps=2"))
         assert first.poll() is None, "the first run ended before the second one was tried"
     except BaseException:
         first.kill()
         first.wait()
         raise
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     assert second.returncode == 2 and "Traceback" not in second.stderr
     line = second.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: {out} is in use by another shardtune run (pid {first.pid} on host ")
@@ -61,9 +73,8 @@ def test_a_second_run_into_the_same_output_dir_is_refused_while_the_first_runs(t
     assert (out / LOCK).is_file()
 
 
-def _launch(*args: str, nan_steps: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardtune", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=_env({NAN_ENV: nan_steps}))
+def _launch(*args: str, nan_steps: str):
+    return run_cli(*args, env={NAN_ENV: nan_steps})
 
 
 def _records(out: Path) -> dict[int, dict]:

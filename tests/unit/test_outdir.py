@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, one_line_error, shardtune
+from conftest import ROOT, one_line_error, run_cli
 
 from shardtune.checkpoint.export import export_checkpoint
 from shardtune.checkpoint.hf_export import save_hf_model
@@ -52,7 +52,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("outdir")
     out = tmp / "run"
     _foreign(out / "adapter")
-    proc = shardtune(*_train_args(tmp, out), "--overwrite")
+    proc = run_cli(*_train_args(tmp, out), "--overwrite")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -64,7 +64,7 @@ def _hidden_leftovers(parent: Path) -> list[str]:
 def test_export_refuses_a_foreign_folder_and_keeps_its_files(run, tmp_path):
     out = tmp_path / "mine"
     files = _foreign(out)
-    one_line_error(shardtune("export", str(run), str(out)), str(out), "did not write", "--overwrite")
+    one_line_error(run_cli("export", str(run), str(out)), str(out), "did not write", "--overwrite")
     assert _intact(out, files) and sorted(p.name for p in out.iterdir()) == ["notes.txt", "sub"]
     assert _hidden_leftovers(tmp_path) == []
 
@@ -72,7 +72,7 @@ def test_export_refuses_a_foreign_folder_and_keeps_its_files(run, tmp_path):
 def test_export_refuses_a_file_even_with_overwrite(run, tmp_path):
     target = tmp_path / "model.bin"
     target.write_bytes(b"precious")
-    one_line_error(shardtune("export", str(run), str(target), "--overwrite"), str(target), "is a file")
+    one_line_error(run_cli("export", str(run), str(target), "--overwrite"), str(target), "is a file")
     for kwargs in ({}, {"merge_lora": True, "overwrite": True}):
         with pytest.raises(ShardtuneError, match="is a file"):
             export_checkpoint(str(run), target, **kwargs)
@@ -124,7 +124,7 @@ def test_train_refuses_a_foreign_final_folder_before_starting(tmp_path):
     out = tmp_path / "run"
     files = _foreign(out / "model")
     args = [a for a in _train_args(tmp_path, out) if a != "peft.method=lora"]
-    one_line_error(shardtune(*args), str(out / "model"), "did not write", "--overwrite", "shardtune train")
+    one_line_error(run_cli(*args), str(out / "model"), "did not write", "--overwrite", "shardtune train")
     assert _intact(out / "model", files)
     assert sorted(p.name for p in out.iterdir()) == ["model"]  # refused before anything was written
     (out / "model" / "notes.txt").unlink()
