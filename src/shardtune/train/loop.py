@@ -118,7 +118,7 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
-                run_eval(run.state.step)
+                interval.eval_s += _timed(run_eval, run.state.step, device=run.ctx.device)
         run.ckpt.close()
     if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
         run.logger.close()
@@ -459,8 +459,20 @@ def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tens
     return count
 
 
+def _timed(fn: Any, *args: Any, device: torch.device) -> float:
+    """Seconds `fn(*args)` took. On a GPU the queued training kernels finish first, so their time stays
+    the interval's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
 class _Interval:
-    """Loss and token counts between two logged steps; one collective per log, not per step."""
+    """Loss and token counts between two logged steps; one collective per log, not per step. Its tokens/s,
+    MFU and step time count training time only: the evaluation and checkpoint time inside the interval is
+    taken out (and logged as eval_s / checkpoint_s), so a step that ran an evaluation is not reported slow."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -469,6 +481,7 @@ class _Interval:
         self.skipped = 0
         self.tokens = 0
         self.checkpoint_s = 0.0  # time the loop was blocked by checkpoint saves in this interval
+        self.eval_s = 0.0  # time spent evaluating in this interval
         self.t0 = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, tokens: int, skipped: bool = False) -> None:
@@ -484,7 +497,7 @@ class _Interval:
         loss_sum, tokens = all_reduce_sum([float(self.loss_sum), float(self.tokens)], self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - self.t0
+        seconds = max(time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s, 1e-9)
         mem = all_reduce_max(_peak_memory_gib(self.device), self.device)
         tps = tokens / seconds
         record = {
@@ -496,8 +509,11 @@ class _Interval:
         }
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
+        if self.eval_s:
+            record["eval_s"] = self.eval_s
         self.loss_sum.zero_()
-        self.steps, self.skipped, self.tokens, self.checkpoint_s, self.t0 = 0, 0, 0, 0.0, time.perf_counter()
+        self.steps, self.skipped, self.tokens = 0, 0, 0
+        self.checkpoint_s, self.eval_s, self.t0 = 0.0, 0.0, time.perf_counter()
         return record
 
 
