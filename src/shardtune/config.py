@@ -165,7 +165,9 @@ class TrainConfig(_Section):
     seed: int = 42
     output_dir: str = "runs/shardtune"
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only before and after training).")
-    eval_batches: int | None = Field(None, ge=1, description="Cap on eval micro-batches per process.")
+    eval_batches: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = Field(
+        "auto", description="Cap on eval micro-batches per process; auto = sized to the run (half the training "
+                            "micro-batches between two evaluations), all (or null) = the whole held-out set.")
     stop_after_step: int | None = Field(None, ge=1, description="End the run after this step (the LR schedule "
                                                                  "still spans max_steps); resume later.")
     skip_nonfinite: bool = Field(True, description="A NaN or Inf loss / gradient norm skips that optimizer step "

@@ -64,3 +64,41 @@ def test_tokens_per_sec_leaves_out_the_evaluation_inside_an_interval(slow_eval_r
     # tokens in each interval of 4 steps of 4 sequences.
     tokens = [r["tokens_per_sec"] * r["step_time_s"] * EVERY for r in (before, with_eval)]
     assert tokens[1] == pytest.approx(tokens[0], rel=0.3), tokens
+
+
+def test_the_start_says_how_much_of_the_held_out_set_each_evaluation_runs(slow_eval_run):
+    _, err = slow_eval_run
+    # 300 held-out examples, 50 micro-batches of 4 on 1 process.
+    assert "eval: the first 200 of 300 held-out examples each time (train.eval_batches=50" in err, err
+
+
+@pytest.mark.parametrize("setting, eval_every, grad_accum, steps, cap", [
+    ("auto", 0, 1, 30, 15),  # a 30-step run evaluates 15 micro-batches per process, not 1,000 examples
+    ("auto", 0, 1, 1, 1),
+    ("auto", 100, 2, 300, 100),
+    ("auto", 0, 4, 7, 14),
+    (8, 0, 1, 30, 8),
+])
+def test_eval_batches_auto_is_sized_to_the_run(setting, eval_every, grad_accum, steps, cap):
+    from shardtune.config import TrainConfig
+    from shardtune.train.loop import eval_batch_cap
+
+    t = TrainConfig(eval_batches=setting, eval_every=eval_every, grad_accum=grad_accum)
+    assert eval_batch_cap(t, steps) == cap
+
+
+@pytest.mark.parametrize("value", ["all", None])
+def test_eval_batches_all_or_null_evaluates_everything(value):
+    from shardtune.config import TrainConfig
+    from shardtune.train.loop import eval_batch_cap
+
+    assert eval_batch_cap(TrainConfig(eval_batches=value), 30) >= 10**9
+    assert TrainConfig().eval_batches == "auto"
+
+
+def test_eval_batches_refuses_other_words(tmp_path):
+    from shardtune.config import load_config
+    from shardtune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eval_batches"):
+        load_config(TINY, ["train.eval_batches=some"])

@@ -24,7 +24,7 @@ from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_mo
 from shardtune.checkpoint.layout import VERIFIED_ENV, checkpoint_root, read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.checkpoint.runlock import lock_run_dir
-from shardtune.config import Config, dump_config, parse_size
+from shardtune.config import Config, TrainConfig, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
 from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
@@ -106,7 +106,7 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     if ctx.is_main:  # a no-op under `shardtune train`, whose launcher holds it; torchrun started us directly
         lock_run_dir(Path(cfg.train.output_dir))
     run = set_up(cfg, ctx)
-    run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state)
+    run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state, run.total_steps)
     start = time.perf_counter()
     if not run.resume:
         run_eval(0)
@@ -259,6 +259,11 @@ def _print_start(run: Run) -> None:
               f"{run.ctx.world} x {run.ctx.device.type}, {run.total_steps} steps of {run.sampler.global_batch} "
               "sequences")
     log.print(data_line(run.data))
+    t, world = cfg.train, run.ctx.world
+    cap = eval_batch_cap(t, run.total_steps)
+    if len(run.data.eval) and cap < eval_num_batches(len(run.data.eval), t.micro_batch_size, world):
+        log.print(f"eval: the first {cap * t.micro_batch_size * world:,} of {len(run.data.eval):,} held-out examples "
+                  f"each time (train.eval_batches={t.eval_batches}: {cap} micro-batches per process; all = every one)")
     if run.resume:
         log.print(f"resumed from {run.resume} at step {run.state.step}")
 
@@ -532,12 +537,27 @@ def data_line(data: DataBundle) -> str:
     return f"data: {s['train_examples']:,} train examples {rows}, {s['eval_examples']:,} eval examples"
 
 
+def eval_batch_cap(t: TrainConfig, total_steps: int | None) -> int:
+    """Eval micro-batches per process each evaluation may run (train.eval_batches). `auto` sizes it to the run:
+    half the training micro-batches between two evaluations (eval_every, else the whole run). A forward costs
+    about a third of a training micro-batch, so evaluating takes at most about a sixth of the training time;
+    a 30-step run on 1,000 held-out examples no longer spends most of its time evaluating."""
+    if t.eval_batches in ("all", None):
+        return 2**62
+    if t.eval_batches != "auto":
+        return int(t.eval_batches)
+    if total_steps is None:
+        return 2**62
+    between = t.eval_every or total_steps
+    return max(1, -(-between * t.grad_accum // 2))
+
+
 def _evaluator(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext, logger: MetricsLogger,
-               state: RunState):
+               state: RunState, total_steps: int):
     def run(step: int) -> None:
         if not len(data.eval):
             return
-        metrics = evaluate(backend, data, cfg, ctx)
+        metrics = evaluate(backend, data, cfg, ctx, total_steps)
         record = {"step": step, **metrics}
         state.evals.append(record)
         logger.log({"eval": True, **record})
@@ -547,13 +567,13 @@ def _evaluator(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext
 
 
 @torch.no_grad()
-def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext) -> dict[str, float]:
-    """Mean token loss and exact-match accuracy over the held-out set, summed over ranks."""
+def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext,
+             total_steps: int | None = None) -> dict[str, float]:
+    """Mean token loss and exact-match accuracy over the held-out set (its first eval_batch_cap micro-batches
+    per process), summed over ranks."""
     t = cfg.train
     lists = eval_batches(len(data.eval), t.micro_batch_size, ctx.world, ctx.rank)
-    n = eval_num_batches(len(data.eval), t.micro_batch_size, ctx.world)
-    if t.eval_batches:
-        n = min(n, t.eval_batches)
+    n = min(eval_num_batches(len(data.eval), t.micro_batch_size, ctx.world), eval_batch_cap(t, total_steps))
     backend.train(False)
     loss_sum, tokens, right, rows = 0.0, 0, 0, 0
     for i in range(n):
