@@ -102,3 +102,27 @@ def test_eval_batches_refuses_other_words(tmp_path):
 
     with pytest.raises(ConfigError, match="eval_batches"):
         load_config(TINY, ["train.eval_batches=some"])
+
+
+def test_the_run_ends_with_its_throughput_line_and_summary(slow_eval_run):
+    out, err = slow_eval_run
+    last = {r["step"]: r for r in _records(out) if not r.get("eval")}[8]  # the first interval (warm-up) is left out
+    t = json.loads((out / "summary.json").read_text())["throughput"]
+    assert t["tokens_per_sec"] == last["tokens_per_sec"] and t["intervals"] == 1 and t["from_step"] == 8
+    assert t["mfu"] is None and t["peak_mem_gib"] > 0  # no MFU without a GPU's peak
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"throughput: {last['tokens_per_sec']:,.0f} tokens/s ("), lines[-1]
+    assert "GiB (host RSS)" in lines[-1] and "without evaluation and checkpoint time" in lines[-1]
+
+
+def test_the_throughput_line_on_a_gpu_shows_mfu_and_both_peaks():
+    from shardtune.train.loop import throughput, throughput_line
+
+    history = [{"step": s, "tokens_per_sec": tps, "tokens_per_sec_per_device": tps, "mfu": m, "peak_mem_gib": mem,
+                "peak_reserved_gib": mem + 3, "step_time_s": 0.1}
+               for s, tps, m, mem in [(5, 1000.0, 0.1, 20.0), (10, 52800.0, 0.5, 27.1), (15, 52000.0, 0.49, 26.0),
+                                      (20, 53000.0, 0.51, 26.0)]]
+    line = throughput_line(throughput(history), "cuda")
+    assert line.startswith("throughput: 52,800 tokens/s (52,800 per device, 52,000-53,000), MFU 50.0%, "
+                           "peak memory 27.1 GiB allocated, 30.1 GiB reserved; median of 3 logged intervals "
+                           "from step 10"), line

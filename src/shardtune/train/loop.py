@@ -390,6 +390,7 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
                       rank=ctx.rank, gather=run.backend.full_tensor, source=f"training run {out}",
                       overwrite=overwrite)
     summary = _summary(run, train_seconds)
+    summary["throughput"] = throughput(run.state.history)
     if run.predicted is not None:
         from shardtune.plan import compare
 
@@ -397,7 +398,38 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.logger.print(_done_line(run, train_seconds))
+        if summary["throughput"]:
+            run.logger.print(throughput_line(summary["throughput"], run.ctx.device.type))
     return TrainResult(summary, run.backend)
+
+
+def throughput(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's speed in one place: medians over the logged intervals after the first (compile and warm-up
+    fall in it; all of them when only one was logged), peak memory over all. Evaluation and checkpoint time
+    are already out of every record."""
+    if not history:
+        return None
+    steady = history[1:] or history
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
+            "tokens_per_sec_per_device": statistics.median(r["tokens_per_sec_per_device"] for r in steady),
+            "tokens_per_sec_min": min(r["tokens_per_sec"] for r in steady),
+            "tokens_per_sec_max": max(r["tokens_per_sec"] for r in steady),
+            "mfu": statistics.median(mfus) if mfus else None,
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in history),
+            "peak_reserved_gib": max(r["peak_reserved_gib"] for r in history),
+            "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+            "intervals": len(steady), "from_step": steady[0]["step"]}
+
+
+def throughput_line(t: dict[str, Any], device_type: str) -> str:
+    """The last line of a run: the numbers a user compares runs by."""
+    mfu = f", MFU {t['mfu']:.1%}" if t["mfu"] is not None else ""
+    memory = (f"peak memory {t['peak_mem_gib']:.1f} GiB allocated, {t['peak_reserved_gib']:.1f} GiB reserved"
+              if device_type == "cuda" else f"peak memory {t['peak_mem_gib']:.1f} GiB (host RSS)")
+    return (f"throughput: {t['tokens_per_sec']:,.0f} tokens/s ({t['tokens_per_sec_per_device']:,.0f} per device, "
+            f"{t['tokens_per_sec_min']:,.0f}-{t['tokens_per_sec_max']:,.0f}){mfu}, {memory}; median of "
+            f"{t['intervals']} logged intervals from step {t['from_step']}, without evaluation and checkpoint time")
 
 
 def write_hf_dir(path: Path, built: BuiltModel, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
