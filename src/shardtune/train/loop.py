@@ -157,6 +157,7 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
                      spec.param_shards(cfg.parallel, ctx.world))
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
+    _apply_liger(cfg, ctx, built, hf_config, backend)
     if hasattr(backend, "skip_nonfinite"):
         backend.skip_nonfinite = t.skip_nonfinite
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
@@ -184,6 +185,22 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
               peak_flops=peak)
     _print_start(run)
     return run
+
+
+def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: Any, backend: Backend) -> None:
+    """model.liger: Liger's kernels swapped into the meta model (before compile and sharding), and its fused
+    linear + cross-entropy as the loss where the backend computes it in the model's forward (FSDP2, DDP)."""
+    from shardtune.models.liger import apply_liger_kernels, install_fused_loss, liger_loss, use_liger
+
+    if not use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type):
+        return
+    apply_liger_kernels(built.base)
+    fused = hasattr(backend, "fused_loss")
+    if fused:
+        install_fused_loss(built.base, liger_loss())
+        backend.fused_loss = True
+    log_rank0(ctx.rank, "liger: RMSNorm, RoPE, SwiGLU kernels" + (", fused linear + cross-entropy loss" if fused
+                                                                  else " (the loss stays plain on this backend)"))
 
 
 def resume_point(cfg: Config, root: Path, ctx: DistContext) -> Path | None:
