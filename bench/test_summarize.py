@@ -118,9 +118,10 @@ def test_nonzero_exit_after_finishing_keeps_status_ok(tmp_path: Path) -> None:
 def test_checkpoint_bench_sums_the_excess_during_a_save_and_over_as_many_steps_before_it():
     import checkpoint
 
-    times = {3: 1.0, 4: 1.2, 5: 0.9, 6: 1.0, 7: 3.0, 8: 1.5, 9: 1.0, 10: 1.0}
+    times = {3: 1.0, 4: 1.2, 5: 0.9, 6: 1.0, 7: 2.9, 8: 1.5, 9: 1.0, 10: 1.0}
     recs = [{"step": s, "step_time_s": t} for s, t in times.items()]
-    recs[4]["checkpoint_s"] = 0.1  # step 7 saved; its write ended in step 8's record
+    # step 7 saved (3.0 s in all: step_time_s leaves the 0.1 s it blocked out); its write ended in step 8's record
+    recs[4]["checkpoint_s"] = 0.1
     recs[5]["checkpoint_write_s"] = 4.0
     assert checkpoint._extra_during_saves(recs, 1.0) == pytest.approx([2.0 + 0.5])
     assert checkpoint._extra_before_saves(recs, 1.0) == pytest.approx([-0.1 + 0.0])  # steps 5 and 6
