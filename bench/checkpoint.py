@@ -56,7 +56,7 @@ def train(size: str, out: Path, data: Path, mode: str, steps: int | None, every:
     ckpt = sorted((out / "checkpoints").glob("step-*"))
     size_gb = sum(f.stat().st_size for f in ckpt[-1].rglob("*") if f.is_file()) / 1e9 if ckpt else 0
     return {"mode": mode, "rc": proc.returncode, "wall_s": time.time() - t0,
-            "step_s": median, "save_step_s": [round(r["step_time_s"], 3) for r in saving],
+            "step_s": median, "save_step_s": [round(_wall(r), 3) for r in saving],
             "blocked_s": [round(r["checkpoint_s"], 3) for r in saving],
             "staging_s": [round(r["checkpoint_staging_s"], 3) for r in steps_ if "checkpoint_staging_s" in r],
             "write_s": [round(r["checkpoint_write_s"], 3) for r in steps_ if "checkpoint_write_s" in r],
@@ -68,6 +68,12 @@ def train(size: str, out: Path, data: Path, mode: str, steps: int | None, every:
             "checkpoint_gb": round(size_gb, 2), "last": str(ckpt[-1]) if ckpt else None}
 
 
+def _wall(r: dict) -> float:
+    """The step's wall time, save included: records leave checkpoint_s out of step_time_s (log.every=1 here,
+    so one step per record)."""
+    return r["step_time_s"] + r.get("checkpoint_s", 0.0)
+
+
 def _extra_during_saves(records: list[dict], median: float) -> list[float]:
     """Per save: the summed excess over the median step time, from the step that saved to the record
     that reports its write done (log.every=1: one record per step)."""
@@ -76,7 +82,7 @@ def _extra_during_saves(records: list[dict], median: float) -> list[float]:
         if r.get("checkpoint_s") and extra is None:
             extra = 0.0
         if extra is not None:
-            extra += r["step_time_s"] - median
+            extra += _wall(r) - median
             if "checkpoint_write_s" in r:
                 out.append(extra)
                 extra = None
@@ -94,7 +100,7 @@ def _extra_before_saves(records: list[dict], median: float) -> list[float]:
             window = records[max(0, 2 * start - i - 1):start]
             if len(window) == i - start + 1 and not any(w.get("checkpoint_s") or "checkpoint_write_s" in w
                                                        for w in window):
-                out.append(sum(w["step_time_s"] - median for w in window))
+                out.append(sum(_wall(w) - median for w in window))
             start = None
     return out
 

@@ -12,7 +12,10 @@
 #   VARIANTS   shardtune runs, each (ddp|zero1|zero2|zero3)[c][_ac][_ds][_oo|_op]: c = parallel.compile=true,
 #              _ac = activation checkpointing, _ds = parallel.backend=deepspeed, _oo / _op = DeepSpeed
 #              offload of optimizer states / of parameters too. Default "zero2 zero3 zero2c zero3c" (CPU: "zero2 zero3")
-#   BASELINES  hf_baseline.py modes: hf_ds2 hf_ds3 hf_fsdp fsdp2 fsdp2c hf_mismatch.
+#              _lg = model.liger=true (Liger-Kernel; needs liger-kernel in .whl), e.g. zero2c_lg
+#   BASELINES  hf_baseline.py modes: hf_ds2 hf_ds3 hf_fsdp fsdp2 fsdp2c hf_mismatch; or hft_ds2, hft_ds3,
+#              hft_ds2_liger, hft_ds3_liger: bench/hf_trainer_baseline.py --mode full (+ HF_LIGER=1), which
+#              reports the min-max of its timed steps too.
 #              Default "hf_ds2 fsdp2c" on GPU, none on CPU. REF (default hf_ds2) runs first.
 #   STEPS      shardtune train.max_steps (default 40; tiny 12)   WARMUP  records with step <= this are
 #              left out of the medians (default 10; tiny 4)      EVERY   log.every (default 5; tiny 2)
@@ -22,6 +25,7 @@
 #              gets min(T, what is left), and is skipped when fewer than MIN_T (default 45) remain
 #   EXTRA      extra shardtune overrides for every variant, e.g. "optim.fused=false"
 #   BEXTRA     extra hf_baseline.py arguments, e.g. "--steps 30"
+#   SECOND_REF a second ratio column (summarize.py --second-ref; default fsdp2c)   SPREAD=1  a min-max column
 #   SKIP_INSTALL=1  do not pip-install .whl (automatic when there is no GPU or no .whl/*.whl)
 # Writes $OUT/{env.txt,logs.txt,results.jsonl,metrics.jsonl,table.md} (the device returns at most 8 files).
 set -u   # no -e: a failing run is recorded and the benchmark goes on
@@ -150,16 +154,17 @@ run_one() {  # name kind metrics_path cmd...
 }
 
 run_variant() {
-  local v=$1 strat comp=false ac=none backend=fsdp2 offload=none
-  if [[ "$v" =~ ^(ddp|zero1|zero2|zero3)(c?)(_ac)?(_ds)?(_oo|_op)?$ ]]; then
+  local v=$1 strat comp=false ac=none backend=fsdp2 offload=none liger=false
+  if [[ "$v" =~ ^(ddp|zero1|zero2|zero3)(c?)(_ac)?(_ds)?(_oo|_op)?(_lg)?$ ]]; then
     strat=${BASH_REMATCH[1]}
     [ -n "${BASH_REMATCH[2]}" ] && comp=true
     [ -n "${BASH_REMATCH[3]}" ] && ac=full
     [ -n "${BASH_REMATCH[4]}" ] && backend=deepspeed
     [ "${BASH_REMATCH[5]}" = _oo ] && offload=optimizer
     [ "${BASH_REMATCH[5]}" = _op ] && offload=params
+    [ -n "${BASH_REMATCH[6]}" ] && liger=true
   else
-    echo "== $v: unknown variant (use ddp, zero1, zero2, zero3 + optional c, _ac, _ds, _oo|_op: zero3_ds_oo)"
+    echo "== $v: unknown variant (use ddp, zero1, zero2, zero3 + optional c, _ac, _ds, _oo|_op, _lg: zero3_ds_oo)"
     echo "unknown variant $v" > "$W/$v.log"
     printf '%s\tshardtune\t2\t0\t%s\t\n' "$v" "$W/$v.log" >> "$MAN"
     return
@@ -170,7 +175,7 @@ run_variant() {
     python3 -m shardtune train bench/bench.yaml --nproc "$N" \
       model.preset="$PRESET" data.train_file="$W/long.jsonl" data.eval_fraction=0 \
       parallel.strategy="$strat" parallel.compile="$comp" parallel.activation_checkpointing="$ac" \
-      parallel.backend="$backend" parallel.offload="$offload" \
+      parallel.backend="$backend" parallel.offload="$offload" model.liger="$liger" \
       train.precision="$PREC" train.seq_len="$SEQ" train.micro_batch_size="$MBS" train.grad_accum=1 \
       train.max_steps="$STEPS" train.output_dir="$W/$v" \
       log.every="$EVERY" log.progress=false log.jsonl=true checkpoint.save_final=false $EXTRA
@@ -178,6 +183,20 @@ run_variant() {
 
 run_baseline() {
   local m=$1
+  if [[ "$m" =~ ^hft_ds([23])(_liger)?$ ]]; then
+    # bench/hf_trainer_baseline.py: HF Trainer + DeepSpeed ZeRO-2/3 (the config hf_baseline.py uses), full
+    # fine-tuning, no activation checkpointing; reports min-max over its timed steps. _liger: HF_LIGER=1
+    # (TrainingArguments(use_liger_kernel=True)).
+    local stage=${BASH_REMATCH[1]} lg=0
+    [ -n "${BASH_REMATCH[2]}" ] && lg=1
+    printf '{"zero_optimization": {"stage": %s}, "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}\n' \
+      "$stage" > "$W/ds$stage.json"
+    # shellcheck disable=SC2086
+    run_one "$m" baseline "" env HF_LIGER=$lg \
+      python3 -m torch.distributed.run --standalone --nproc_per_node="$N" bench/hf_trainer_baseline.py \
+        --mode full --size "$BSIZE" --seq "$SEQ" --mbs "$MBS" --no-ac --deepspeed "$W/ds$stage.json" $BEXTRA
+    return
+  fi
   if [ ! -f .anchors/hf_baseline.py ]; then
     echo "== $m: .anchors/hf_baseline.py is missing (carry .anchors)"
     echo ".anchors/hf_baseline.py missing" > "$W/$m.log"
@@ -199,7 +218,8 @@ for m in $BASELINES; do [ "$m" != "$REF" ] && run_baseline "$m"; done
 echo
 echo "== summary (t+$((SECONDS - START))s)"
 GPU_NAME=$( [ "$HAVE_GPU" = 1 ] && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || echo cpu)
-python3 bench/summarize.py --manifest "$MAN" --warmup "$WARMUP" --ref "$REF" \
+python3 bench/summarize.py --manifest "$MAN" --warmup "$WARMUP" --ref "$REF" ${SECOND_REF:+--second-ref "$SECOND_REF"} \
+  ${SPREAD:+--spread} \
   --results "$OUT/results.jsonl" --metrics-out "$OUT/metrics.jsonl" --table "$OUT/table.md" \
   --title "$SIZE ($PRESET), ${N} x ${GPU_NAME}, seq $SEQ, micro-batch $MBS, $PREC; shardtune: median of logged records after step $WARMUP (log.every=$EVERY, $STEPS steps); baselines: hf_baseline.py RESULT (median step); total $((SECONDS - START))s" \
   || { echo "summarize failed"; cat "$MAN"; }

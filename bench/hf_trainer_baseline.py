@@ -8,6 +8,7 @@ Random-init Llama shape, random token ids, seq 2048, bf16. lora / qlora: LoRA r=
 of the blocks, micro-batch 2, gradient checkpointing: the recipe most users start from (HF + PEFT docs).
 full: every weight trains (fp32 weights, as HF Trainer + DeepSpeed holds them), through the DeepSpeed
 config given (TrainingArguments is built before the model, so ZeRO-3 initialises partitioned).
+HF_LIGER=1 in the environment adds `use_liger_kernel=True` (Liger-Kernel through the Trainer; mode gets `_liger`).
 Prints one line `RESULT {json}` on rank 0 (tokens/s per GPU: median step; peak memory: max over ranks).
 QLoRA needs bitsandbytes and a GPU; with several GPUs it runs data-parallel (each GPU holds the
 whole 4-bit model: bitsandbytes' 4-bit weights cannot be sharded by FSDP2).
@@ -71,6 +72,14 @@ def build(args: argparse.Namespace):
     return cfg, get_peft_model(model, lora)
 
 
+def _flops_per_token(cfg, model, seq: int) -> float:
+    """6·N + 12·L·h·s, N without an untied input embedding (bench/README.md's MFU, the same for every row)."""
+    n = sum(p.numel() for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        n -= cfg.vocab_size * cfg.hidden_size
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
 def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -87,13 +96,17 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     gpu = torch.cuda.is_available()
+    liger = os.environ.get("HF_LIGER") == "1"
     # Before the model: with a ZeRO-3 config, from_config then builds it partitioned (deepspeed.zero.Init).
     targs = TrainingArguments(output_dir=f"/tmp/hf_trainer_out_{args.mode}", per_device_train_batch_size=args.mbs,
                               max_steps=args.steps, learning_rate=1e-4 if args.mode != "full" else 1e-5,
                               bf16=gpu, logging_steps=10**6, save_strategy="no", report_to=[],
                               dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=not args.no_ac,
                               use_cpu=not gpu, gradient_checkpointing_kwargs={"use_reentrant": False},
-                              deepspeed=args.deepspeed)
+                              deepspeed=args.deepspeed,
+                              # Liger's kernels through the Trainer, as axolotl and LLaMA-Factory users turn them on
+                              # (the same switch as ../shared/device/hf_baseline.py); needs liger-kernel and a GPU.
+                              use_liger_kernel=liger)
     cfg, model = build(args)
     times: list[float] = []
 
@@ -119,12 +132,22 @@ def main() -> None:
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     med = sorted(times)[len(times) // 2] if times else float("nan")
+    fpt = _flops_per_token(cfg, model, args.seq)
     if int(os.environ.get("RANK", 0)) == 0:
         mode = f"hf_peft_{args.mode}" if args.mode != "full" else "hf_trainer" + ("_ds" if args.deepspeed else "")
+        mode += "_liger" if liger else ""
         print("RESULT " + json.dumps({"mode": mode, "size": args.size, "world": world,
                                       "seq": args.seq, "mbs": args.mbs, "step_s_median": round(med, 4),
                                       "precision": "bf16" if gpu else "fp32",  # TrainingArguments(bf16=gpu)
+                                      "liger": liger,
                                       "tokens_per_s_per_gpu": round(args.mbs * args.seq / med),
+                                      "mfu_989": round(args.mbs * args.seq / med * fpt / 989e12, 4),
+                                      # the spread, for bench/summarize.py's min-max column
+                                      "steps_timed": len(times),
+                                      "tokens_per_s_per_gpu_min": round(args.mbs * args.seq / max(times))
+                                      if times else None,
+                                      "tokens_per_s_per_gpu_max": round(args.mbs * args.seq / min(times))
+                                      if times else None,
                                       "peak_alloc_gib": round(float(peak[0]), 2),
                                       "peak_reserved_gib": round(float(peak[1]), 2)}), flush=True)
 

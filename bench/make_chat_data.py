@@ -5,41 +5,20 @@
 Each line is {"messages": [system?, user, assistant, (user, assistant)...]} of random lowercase
 words. Total length per conversation is drawn from a log-normal with the given median (in
 characters, about one token per character with the bundled tokenizer) and sigma 0.9, clipped to
-[32, max]: most examples are short, a few are long, as in real chat fine-tuning sets.
+[32, max]: most examples are short, a few are long, as in real chat fine-tuning sets. The generator
+is shardtune.data.synthetic.long_chat (the GPU examples' data); this wrapper keeps the bench's command.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
+import sys
+from pathlib import Path
 
-_WRNG = random.Random(1234)
-WORDS = ["".join(_WRNG.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_WRNG.randint(2, 9))) for _ in range(2000)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without install
 
-
-def _text(rng: random.Random, chars: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < chars:
-        w = rng.choice(WORDS)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)
-
-
-def conversation(rng: random.Random, total: int) -> dict:
-    turns = 1 if total < 400 else rng.randint(1, 3)
-    messages = []
-    if rng.random() < 0.3:
-        messages.append({"role": "system", "content": _text(rng, 40)})
-    per_turn = max(16, total // turns)
-    for _ in range(turns):
-        share = rng.uniform(0.15, 0.5)  # the answer is usually the longer part
-        messages.append({"role": "user", "content": _text(rng, max(4, int(per_turn * share)))})
-        messages.append({"role": "assistant", "content": _text(rng, max(4, int(per_turn * (1 - share))))})
-    return {"messages": messages}
+from shardtune.data.synthetic import long_chat
 
 
 def main() -> None:
@@ -51,11 +30,9 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    rng = random.Random(args.seed)
     with open(args.out, "w") as f:
-        for _ in range(args.n):
-            total = int(min(args.max, max(32, rng.lognormvariate(math.log(args.median), args.sigma))))
-            f.write(json.dumps(conversation(rng, total)) + "\n")
+        for row in long_chat(args.n, args.seed, median=args.median, max_chars=args.max, sigma=args.sigma):
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,8 @@ def summarize_shardtune(name: str, metrics_path: str | Path, warmup: int) -> dic
         last_step=train[-1].get("step"),
         tokens_per_s_per_gpu=_median([r.get("tokens_per_sec_per_device") for r in steady]),
         tokens_per_s=_median([r.get("tokens_per_sec") for r in steady]),
+        tokens_per_s_per_gpu_min=min(r.get("tokens_per_sec_per_device") or 0.0 for r in steady),
+        tokens_per_s_per_gpu_max=max(r.get("tokens_per_sec_per_device") or 0.0 for r in steady),
         mfu=_median([r.get("mfu") for r in steady]),
         step_time_s=_median([r.get("step_time_s") for r in steady]),
         peak_alloc_gib=max((r.get("peak_mem_gib") or 0.0) for r in train),
@@ -168,6 +170,10 @@ def summarize_baseline(name: str, log: str | Path) -> dict[str, Any]:
         mode=res.get("mode"), size=res.get("size"), world=res.get("world"), seq=res.get("seq"), mbs=res.get("mbs"),
         precision=res.get("precision"),
         tokens_per_s_per_gpu=res.get("tokens_per_s_per_gpu"),
+        # Spread and the number of timed steps, where the baseline reports them (bench/hf_trainer_baseline.py).
+        tokens_per_s_per_gpu_min=res.get("tokens_per_s_per_gpu_min"),
+        tokens_per_s_per_gpu_max=res.get("tokens_per_s_per_gpu_max"),
+        steady_records=res.get("steps_timed"),
         mfu=res.get("mfu_989"),
         step_time_s=res.get("step_s_median"),
         peak_alloc_gib=res.get("peak_alloc_gib"),
@@ -223,14 +229,14 @@ def shape_mismatch(row: dict[str, Any], base: dict[str, Any]) -> str | None:
     return ", ".join(diffs) or None
 
 
-def add_ratios(results: list[dict[str, Any]], ref: str) -> None:
+def add_ratios(results: list[dict[str, Any]], ref: str, second: str = SECOND_REF) -> None:
     def find(name: str) -> dict[str, Any] | None:
         for r in results:
             if r["name"] == name and r.get("tokens_per_s_per_gpu"):
                 return r
         return None
 
-    for key, ref_name in ((f"ratio_vs_{ref}", ref), (f"ratio_vs_{SECOND_REF}", SECOND_REF)):
+    for key, ref_name in ((f"ratio_vs_{ref}", ref), (f"ratio_vs_{second}", second)):
         base = find(ref_name)
         for r in results:
             v = r.get("tokens_per_s_per_gpu")
@@ -268,16 +274,24 @@ def _suffix(r: dict[str, Any]) -> str:
     return f" ({status})"
 
 
-def render_table(results: list[dict[str, Any]], ref: str) -> str:
-    second = any(r["name"] == SECOND_REF and r.get("tokens_per_s_per_gpu") for r in results) and ref != SECOND_REF
-    head = ["variant", "tokens/s/GPU", f"ratio vs {ref}"] + ([f"vs {SECOND_REF}"] if second else []) + [
-        "MFU", "peak alloc GiB", "peak reserved GiB", "step time s"]
+def _spread(r: dict[str, Any]) -> str:
+    lo, hi, n = r.get("tokens_per_s_per_gpu_min"), r.get("tokens_per_s_per_gpu_max"), r.get("steady_records")
+    if lo is None or hi is None:
+        return "–"
+    return f"{float(lo):,.0f}-{float(hi):,.0f}" + (f" (n={n})" if n else "")
+
+
+def render_table(results: list[dict[str, Any]], ref: str, second_ref: str = SECOND_REF, spread: bool = False) -> str:
+    second = any(r["name"] == second_ref and r.get("tokens_per_s_per_gpu") for r in results) and ref != second_ref
+    head = ["variant", "tokens/s/GPU"] + (["min-max"] if spread else []) + [f"ratio vs {ref}"] + (
+        [f"vs {second_ref}"] if second else []) + ["MFU", "peak alloc GiB", "peak reserved GiB", "step time s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         name = r["name"] + _suffix(r)
-        cells = [name, _fmt(r.get("tokens_per_s_per_gpu"), "int"), _fmt(r.get(f"ratio_vs_{ref}"), "ratio")]
+        cells = [name, _fmt(r.get("tokens_per_s_per_gpu"), "int")] + ([_spread(r)] if spread else []) + [
+            _fmt(r.get(f"ratio_vs_{ref}"), "ratio")]
         if second:
-            cells.append(_fmt(r.get(f"ratio_vs_{SECOND_REF}"), "ratio"))
+            cells.append(_fmt(r.get(f"ratio_vs_{second_ref}"), "ratio"))
         cells += [_fmt(r.get("mfu"), "pct"), _fmt(r.get("peak_alloc_gib"), "gib"),
                   _fmt(r.get("peak_reserved_gib"), "gib"), _fmt(r.get("step_time_s"), "s")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -364,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-out", help="write every run's metrics.jsonl records here, tagged with 'variant'")
     ap.add_argument("--table", help="write the markdown table here too")
     ap.add_argument("--title", default="", help="a line printed above the table")
+    ap.add_argument("--second-ref", default=SECOND_REF, help="a second denominator, with its own ratio column")
+    ap.add_argument("--spread", action="store_true", help="a min-max tokens/s/GPU column (steady records / steps)")
     ap.add_argument("--cross-call", action="store_true",
                     help="allow NAME=PATH runs from different calls (folders); the table says so")
     args = ap.parse_args(argv)
@@ -381,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # one unreadable run must not lose the table
             results.append({"name": e.get("name", "?"), "kind": e.get("kind"), "rc": e.get("rc"),
                             "status": f"summarize error: {type(err).__name__}: {err}"})
-    add_ratios(results, args.ref)
+    add_ratios(results, args.ref, args.second_ref)
 
     if args.results:
         with open(args.results, "w") as f:
@@ -397,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cross_call:
         notes = ("- runs from different calls (--cross-call): ratios compare different machines or times\n"
                  + notes).strip()
-    table = render_table(results, args.ref)
+    table = render_table(results, args.ref, args.second_ref, args.spread)
     text = "\n\n".join(x for x in (args.title, notes, table) if x)
     if args.table:
         Path(args.table).write_text(text.strip() + "\n")

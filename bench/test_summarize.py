@@ -118,9 +118,10 @@ def test_nonzero_exit_after_finishing_keeps_status_ok(tmp_path: Path) -> None:
 def test_checkpoint_bench_sums_the_excess_during_a_save_and_over_as_many_steps_before_it():
     import checkpoint
 
-    times = {3: 1.0, 4: 1.2, 5: 0.9, 6: 1.0, 7: 3.0, 8: 1.5, 9: 1.0, 10: 1.0}
+    times = {3: 1.0, 4: 1.2, 5: 0.9, 6: 1.0, 7: 2.9, 8: 1.5, 9: 1.0, 10: 1.0}
     recs = [{"step": s, "step_time_s": t} for s, t in times.items()]
-    recs[4]["checkpoint_s"] = 0.1  # step 7 saved; its write ended in step 8's record
+    # step 7 saved (3.0 s in all: step_time_s leaves the 0.1 s it blocked out); its write ended in step 8's record
+    recs[4]["checkpoint_s"] = 0.1
     recs[5]["checkpoint_write_s"] = 4.0
     assert checkpoint._extra_during_saves(recs, 1.0) == pytest.approx([2.0 + 0.5])
     assert checkpoint._extra_before_saves(recs, 1.0) == pytest.approx([-0.1 + 0.0])  # steps 5 and 6
@@ -168,3 +169,20 @@ def test_pairs_from_different_calls_are_refused_unless_marked(tmp_path: Path, ca
     assert "different calls" in msg and "--cross-call" in msg and "\n" not in msg
     assert summarize.main([f"zero2={a}", f"hf_ds2={ref}", "--cross-call"]) == 0
     assert "runs from different calls (--cross-call)" in capsys.readouterr().out
+
+
+def test_table_shows_the_spread_and_a_second_reference(tmp_path: Path) -> None:
+    """Table 1 of issue 17: the shardtune row's min-max over its steady records, the baseline's from its RESULT
+    (hf_trainer_baseline.py), and a ratio column against HF + Liger (--second-ref)."""
+    st = _metrics(tmp_path / "zero2c_lg" / "metrics.jsonl", {5: 1000.0, 15: 52000.0, 20: 53000.0, 25: 50000.0})
+    ref = _result_log(tmp_path / "hft_ds2.log", "hf_trainer_ds", 40000, tokens_per_s_per_gpu_min=39000,
+                      tokens_per_s_per_gpu_max=41000, steps_timed=35)
+    lg = _result_log(tmp_path / "hft_ds2_liger.log", "hf_trainer_ds_liger", 46000)
+    table = tmp_path / "t.md"
+    assert summarize.main([f"hft_ds2={ref}", f"hft_ds2_liger={lg}", f"zero2c_lg={st}", "--ref", "hft_ds2",
+                           "--second-ref", "hft_ds2_liger", "--spread", "--table", str(table)]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.read_text().splitlines() if line.startswith("|")}
+    assert rows["variant"].startswith("| variant | tokens/s/GPU | min-max | ratio vs hft_ds2 | vs hft_ds2_liger |")
+    assert rows["zero2c_lg"].startswith("| zero2c_lg | 52,000 | 50,000-53,000 (n=3) | 1.30 | 1.13 |")
+    assert rows["hft_ds2"].startswith("| hft_ds2 | 40,000 | 39,000-41,000 (n=35) | 1.00 |")
+    assert rows["hft_ds2_liger"].startswith("| hft_ds2_liger | 46,000 | – | 1.15 | 1.00 |")

@@ -28,6 +28,9 @@ class ModelConfig(_Section):
     preset: str | None = Field(None, description="Built-in shape with random init, e.g. tiny-llama (no files).")
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
     seed: int = Field(0, description="Seed of a preset's random init (same weights as `init-model --seed`).")
+    liger: bool | Literal["auto"] = Field(False, description="Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear "
+                                                             "+ cross-entropy (CUDA, liger-kernel installed); auto = "
+                                                             "on where it can run.")
     trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (config.json "
                                                        "auto_map) with your permissions; only for code you have read.")
 
@@ -165,7 +168,9 @@ class TrainConfig(_Section):
     seed: int = 42
     output_dir: str = "runs/shardtune"
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only before and after training).")
-    eval_batches: int | None = Field(None, ge=1, description="Cap on eval micro-batches per process.")
+    eval_batches: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = Field(
+        "auto", description="Cap on eval micro-batches per process; auto = sized to the run (half the training "
+                            "micro-batches between two evaluations), all (or null) = the whole held-out set.")
     stop_after_step: int | None = Field(None, ge=1, description="End the run after this step (the LR schedule "
                                                                  "still spans max_steps); resume later.")
     skip_nonfinite: bool = Field(True, description="A NaN or Inf loss / gradient norm skips that optimizer step "

@@ -46,6 +46,9 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world, device=device_type())
+    from shardtune.models.liger import check_liger
+
+    check_liger(cfg.model.liger, device_type(), hf_config.model_type)
     check_output_dir(cfg.train.output_dir)
     check_final_dir(cfg, overwrite)
     if cfg.model.path:
@@ -130,6 +133,11 @@ def check_worker(cfg: Config, world: int) -> None:
 
     if not auto_keys(cfg):  # else the loop's planner resolves `auto`, and it picks only combinations that run
         check_combination(cfg, device=device_type())
+    if cfg.model.liger is True:
+        from shardtune.models.build import load_hf_config
+        from shardtune.models.liger import check_liger
+
+        check_liger(True, device_type(), load_hf_config(cfg.model).model_type)
     check_resume(cfg, world)
 
 

@@ -15,12 +15,17 @@ fraction really is unseen by training.
 
 ``examples/data/tasks.jsonl`` is ``generate(DEFAULT_N, DEFAULT_SEED)``; regenerate it with
 ``python -m shardtune.data.synthetic examples/data/tasks.jsonl``.
+
+``long_chat`` is the other kind: conversations of random words whose lengths follow real chat sets (the GPU
+examples train on it, so their tokens/s is real throughput); ``examples/data/chat_long.jsonl`` is
+``python -m shardtune.data.synthetic examples/data/chat_long.jsonl --long-chat``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import string
 from collections.abc import Callable
@@ -109,18 +114,74 @@ def as_chat(rows: list[dict[str, str]], seed: int) -> list[dict[str, list[dict[s
     return out
 
 
+# --- Long-tailed chat: the lengths of real chat fine-tuning sets, for throughput -------------------------------------
+# Real chat sets are mostly short conversations with a long tail. Total characters per conversation follow a
+# log-normal (median 300, sigma 0.9, clipped to [32, 4096]); the bundled tokenizer makes about one token per
+# character, so padded to 2048 about 12% of the tokens are real and packing pays 7-10x (bench/RESULTS.md).
+# `examples/data/chat_long.jsonl` is `long_chat(LONG_CHAT_N, 0)`; bench/make_chat_data.py writes larger ones.
+LONG_CHAT_N = 1_500
+_WORD_RNG = random.Random(1234)
+WORDS = ["".join(_WORD_RNG.choice(string.ascii_lowercase) for _ in range(_WORD_RNG.randint(2, 9)))
+         for _ in range(2000)]
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+def conversation(rng: random.Random, total: int) -> dict[str, list[dict[str, str]]]:
+    """One conversation of about `total` characters: a system turn (30%), then 1-3 user/assistant turns."""
+    turns = 1 if total < 400 else rng.randint(1, 3)
+    messages = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": _text(rng, 40)})
+    per_turn = max(16, total // turns)
+    for _ in range(turns):
+        share = rng.uniform(0.15, 0.5)  # the answer is usually the longer part
+        messages.append({"role": "user", "content": _text(rng, max(4, int(per_turn * share)))})
+        messages.append({"role": "assistant", "content": _text(rng, max(4, int(per_turn * (1 - share))))})
+    return {"messages": messages}
+
+
+def long_chat(n: int, seed: int, *, median: int = 300, max_chars: int = 4096,
+              sigma: float = 0.9) -> list[dict[str, list[dict[str, str]]]]:
+    """`n` conversations of random words with log-normal total lengths (characters), identical for the same
+    arguments."""
+    rng = random.Random(seed)
+    return [conversation(rng, int(min(max_chars, max(32, rng.lognormvariate(math.log(median), sigma)))))
+            for _ in range(n)]
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m shardtune.data.synthetic OUT.jsonl --n N --seed S``."""
     ap = argparse.ArgumentParser(prog="python -m shardtune.data.synthetic",
                                  description="Write the synthetic prompt/completion task set as JSONL.")
     ap.add_argument("out", help="output JSONL path")
-    ap.add_argument("--n", type=int, default=DEFAULT_N, help=f"number of examples (default {DEFAULT_N})")
+    ap.add_argument("--n", type=int, default=None,
+                    help=f"number of examples (default {DEFAULT_N}; --long-chat: {LONG_CHAT_N})")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
     ap.add_argument("--chat", action="store_true", help="group tasks into `messages` conversations")
+    ap.add_argument("--long-chat", action="store_true",
+                    help="long-tailed chat of random words instead of tasks (throughput runs)")
+    ap.add_argument("--median", type=int, default=300, help="--long-chat: median characters (about tokens)")
+    ap.add_argument("--max", type=int, default=4096, help="--long-chat: longest conversation, characters")
+    ap.add_argument("--sigma", type=float, default=0.9, help="--long-chat: log-normal sigma")
     args = ap.parse_args(argv)
-    rows = generate(args.n, args.seed)
+    if args.long_chat:
+        n = LONG_CHAT_N if args.n is None else args.n
+        write_jsonl(long_chat(n, args.seed, median=args.median, max_chars=args.max, sigma=args.sigma), args.out)
+        print(f"wrote {n} conversations to {args.out}")
+        return
+    n = DEFAULT_N if args.n is None else args.n
+    rows = generate(n, args.seed)
     write_jsonl(as_chat(rows, args.seed) if args.chat else rows, args.out)
-    print(f"wrote {args.n} tasks to {args.out}")
+    print(f"wrote {n} tasks to {args.out}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@ class FSDP2Backend:
         self.model: nn.Module = self.module
         self.scaler: torch.amp.GradScaler | None = None
         self.attn_implementation = "sdpa"  # the model's, read in setup (it picks the packed-batch mask)
+        # The model's forward computes the summed loss itself when given labels (models/liger.py's fused linear +
+        # cross-entropy): inside the root forward, so FSDP2 has gathered the LM head for it.
+        self.fused_loss = False
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -143,10 +146,16 @@ class FSDP2Backend:
             out = self.model(**inputs, use_cache=False)
         return out.logits
 
+    def _fused_loss(self, batch: Batch) -> torch.Tensor:
+        inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
+        with self._autocast():
+            return self.model(**inputs, labels=batch.labels, use_cache=False).loss
+
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         no_sync = self.parallel.strategy == "ddp" and not sync_grads
         with self.model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
-            loss = self.loss(self.forward(batch), batch.labels) / normalizer
+            loss = (self._fused_loss(batch) if self.fused_loss else self.loss(self.forward(batch), batch.labels))
+            loss = loss / normalizer
             # DDP and FSDP2 average gradients over ranks; the loss is already normalised by the
             # step's global token count, so undo the average to get the gradient of that loss.
             scaled = loss * self.ctx.world

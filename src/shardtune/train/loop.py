@@ -24,7 +24,7 @@ from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_mo
 from shardtune.checkpoint.layout import VERIFIED_ENV, checkpoint_root, read_trainer_state, resolve_checkpoint
 from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.checkpoint.runlock import lock_run_dir
-from shardtune.config import Config, dump_config, parse_size
+from shardtune.config import Config, TrainConfig, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
 from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
@@ -106,7 +106,7 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     if ctx.is_main:  # a no-op under `shardtune train`, whose launcher holds it; torchrun started us directly
         lock_run_dir(Path(cfg.train.output_dir))
     run = set_up(cfg, ctx)
-    run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state)
+    run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state, run.total_steps)
     start = time.perf_counter()
     if not run.resume:
         run_eval(0)
@@ -118,7 +118,7 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
-                run_eval(run.state.step)
+                interval.eval_s += _timed(run_eval, run.state.step, device=run.ctx.device)
         run.ckpt.close()
     if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
         run.logger.close()
@@ -157,6 +157,7 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
                      spec.param_shards(cfg.parallel, ctx.world))
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
+    _apply_liger(cfg, ctx, built, hf_config, backend)
     if hasattr(backend, "skip_nonfinite"):
         backend.skip_nonfinite = t.skip_nonfinite
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
@@ -184,6 +185,22 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
               peak_flops=peak)
     _print_start(run)
     return run
+
+
+def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: Any, backend: Backend) -> None:
+    """model.liger: Liger's kernels swapped into the meta model (before compile and sharding), and its fused
+    linear + cross-entropy as the loss where the backend computes it in the model's forward (FSDP2, DDP)."""
+    from shardtune.models.liger import apply_liger_kernels, install_fused_loss, liger_loss, use_liger
+
+    if not use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type):
+        return
+    apply_liger_kernels(built.base)
+    fused = hasattr(backend, "fused_loss")
+    if fused:
+        install_fused_loss(built.base, liger_loss())
+        backend.fused_loss = True
+    log_rank0(ctx.rank, "liger: RMSNorm, RoPE, SwiGLU kernels" + (", fused linear + cross-entropy loss" if fused
+                                                                  else " (the loss stays plain on this backend)"))
 
 
 def resume_point(cfg: Config, root: Path, ctx: DistContext) -> Path | None:
@@ -259,6 +276,11 @@ def _print_start(run: Run) -> None:
               f"{run.ctx.world} x {run.ctx.device.type}, {run.total_steps} steps of {run.sampler.global_batch} "
               "sequences")
     log.print(data_line(run.data))
+    t, world = cfg.train, run.ctx.world
+    cap = eval_batch_cap(t, run.total_steps)
+    if len(run.data.eval) and cap < eval_num_batches(len(run.data.eval), t.micro_batch_size, world):
+        log.print(f"eval: the first {cap * t.micro_batch_size * world:,} of {len(run.data.eval):,} held-out examples "
+                  f"each time (train.eval_batches={t.eval_batches}: {cap} micro-batches per process; all = every one)")
     if run.resume:
         log.print(f"resumed from {run.resume} at step {run.state.step}")
 
@@ -385,6 +407,7 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
                       rank=ctx.rank, gather=run.backend.full_tensor, source=f"training run {out}",
                       overwrite=overwrite)
     summary = _summary(run, train_seconds)
+    summary["throughput"] = throughput(run.state.history)
     if run.predicted is not None:
         from shardtune.plan import compare
 
@@ -392,7 +415,38 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.logger.print(_done_line(run, train_seconds))
+        if summary["throughput"]:
+            run.logger.print(throughput_line(summary["throughput"], run.ctx.device.type))
     return TrainResult(summary, run.backend)
+
+
+def throughput(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's speed in one place: medians over the logged intervals after the first (compile and warm-up
+    fall in it; all of them when only one was logged), peak memory over all. Evaluation and checkpoint time
+    are already out of every record."""
+    if not history:
+        return None
+    steady = history[1:] or history
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
+            "tokens_per_sec_per_device": statistics.median(r["tokens_per_sec_per_device"] for r in steady),
+            "tokens_per_sec_min": min(r["tokens_per_sec"] for r in steady),
+            "tokens_per_sec_max": max(r["tokens_per_sec"] for r in steady),
+            "mfu": statistics.median(mfus) if mfus else None,
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in history),
+            "peak_reserved_gib": max(r["peak_reserved_gib"] for r in history),
+            "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+            "intervals": len(steady), "from_step": steady[0]["step"]}
+
+
+def throughput_line(t: dict[str, Any], device_type: str) -> str:
+    """The last line of a run: the numbers a user compares runs by."""
+    mfu = f", MFU {t['mfu']:.1%}" if t["mfu"] is not None else ""
+    memory = (f"peak memory {t['peak_mem_gib']:.1f} GiB allocated, {t['peak_reserved_gib']:.1f} GiB reserved"
+              if device_type == "cuda" else f"peak memory {t['peak_mem_gib']:.1f} GiB (host RSS)")
+    return (f"throughput: {t['tokens_per_sec']:,.0f} tokens/s ({t['tokens_per_sec_per_device']:,.0f} per device, "
+            f"{t['tokens_per_sec_min']:,.0f}-{t['tokens_per_sec_max']:,.0f}){mfu}, {memory}; median of "
+            f"{t['intervals']} logged intervals from step {t['from_step']}, without evaluation and checkpoint time")
 
 
 def write_hf_dir(path: Path, built: BuiltModel, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
@@ -459,8 +513,20 @@ def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tens
     return count
 
 
+def _timed(fn: Any, *args: Any, device: torch.device) -> float:
+    """Seconds `fn(*args)` took. On a GPU the queued training kernels finish first, so their time stays
+    the interval's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
 class _Interval:
-    """Loss and token counts between two logged steps; one collective per log, not per step."""
+    """Loss and token counts between two logged steps; one collective per log, not per step. Its tokens/s,
+    MFU and step time count training time only: the evaluation and checkpoint time inside the interval is
+    taken out (and logged as eval_s / checkpoint_s), so a step that ran an evaluation is not reported slow."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -469,6 +535,7 @@ class _Interval:
         self.skipped = 0
         self.tokens = 0
         self.checkpoint_s = 0.0  # time the loop was blocked by checkpoint saves in this interval
+        self.eval_s = 0.0  # time spent evaluating in this interval
         self.t0 = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, tokens: int, skipped: bool = False) -> None:
@@ -484,7 +551,7 @@ class _Interval:
         loss_sum, tokens = all_reduce_sum([float(self.loss_sum), float(self.tokens)], self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - self.t0
+        seconds = max(time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s, 1e-9)
         mem = all_reduce_max(_peak_memory_gib(self.device), self.device)
         tps = tokens / seconds
         record = {
@@ -496,8 +563,11 @@ class _Interval:
         }
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
+        if self.eval_s:
+            record["eval_s"] = self.eval_s
         self.loss_sum.zero_()
-        self.steps, self.skipped, self.tokens, self.checkpoint_s, self.t0 = 0, 0, 0, 0.0, time.perf_counter()
+        self.steps, self.skipped, self.tokens = 0, 0, 0
+        self.checkpoint_s, self.eval_s, self.t0 = 0.0, 0.0, time.perf_counter()
         return record
 
 
@@ -516,12 +586,27 @@ def data_line(data: DataBundle) -> str:
     return f"data: {s['train_examples']:,} train examples {rows}, {s['eval_examples']:,} eval examples"
 
 
+def eval_batch_cap(t: TrainConfig, total_steps: int | None) -> int:
+    """Eval micro-batches per process each evaluation may run (train.eval_batches). `auto` sizes it to the run:
+    half the training micro-batches between two evaluations (eval_every, else the whole run). A forward costs
+    about a third of a training micro-batch, so evaluating takes at most about a sixth of the training time;
+    a 30-step run on 1,000 held-out examples no longer spends most of its time evaluating."""
+    if t.eval_batches in ("all", None):
+        return 2**62
+    if t.eval_batches != "auto":
+        return int(t.eval_batches)
+    if total_steps is None:
+        return 2**62
+    between = t.eval_every or total_steps
+    return max(1, -(-between * t.grad_accum // 2))
+
+
 def _evaluator(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext, logger: MetricsLogger,
-               state: RunState):
+               state: RunState, total_steps: int):
     def run(step: int) -> None:
         if not len(data.eval):
             return
-        metrics = evaluate(backend, data, cfg, ctx)
+        metrics = evaluate(backend, data, cfg, ctx, total_steps)
         record = {"step": step, **metrics}
         state.evals.append(record)
         logger.log({"eval": True, **record})
@@ -531,13 +616,13 @@ def _evaluator(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext
 
 
 @torch.no_grad()
-def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext) -> dict[str, float]:
-    """Mean token loss and exact-match accuracy over the held-out set, summed over ranks."""
+def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext,
+             total_steps: int | None = None) -> dict[str, float]:
+    """Mean token loss and exact-match accuracy over the held-out set (its first eval_batch_cap micro-batches
+    per process), summed over ranks."""
     t = cfg.train
     lists = eval_batches(len(data.eval), t.micro_batch_size, ctx.world, ctx.rank)
-    n = eval_num_batches(len(data.eval), t.micro_batch_size, ctx.world)
-    if t.eval_batches:
-        n = min(n, t.eval_batches)
+    n = min(eval_num_batches(len(data.eval), t.micro_batch_size, ctx.world), eval_batch_cap(t, total_steps))
     backend.train(False)
     loss_sum, tokens, right, rows = 0.0, 0, 0, 0
     for i in range(n):

@@ -1,0 +1,112 @@
+"""Liger-Kernel (`pip install 'shardtune[liger]'`): Triton kernels for RMSNorm, RoPE and SwiGLU, swapped into the
+model through Liger's own patching API, and its fused linear + cross-entropy, which never materialises the
+[tokens, vocab] logits (2 GiB of bf16 at Llama-3's 128k vocabulary, micro-batch 4, seq 2048).
+
+`model.liger`: false (default), auto (on when the run is on CUDA GPUs, liger-kernel is installed and the
+model type is one below), true (the same, refused before start when it cannot be).
+
+shardtune computes its own loss (the sum of token losses, train/loss.py), so Liger's fused loss is not taken
+through HF's forward (Liger's `lce_forward` averages). Instead `install_fused_loss` gives the causal-LM
+module a forward that, when called with `labels`, runs the decoder and feeds its last hidden states and the
+LM head's weight to `LigerFusedLinearCrossEntropyLoss(reduction="sum")`. It runs inside the root module's
+forward, so under FSDP2 the root's pre-forward hook has already gathered the LM head (a plain, unsharded
+tensor there, not a DTensor) and its backward hook reduce-scatters the gradient as for the plain path; a tied
+LM head is the embedding, gathered the same way. Without `labels` (evaluation) the original forward runs and
+returns logits.
+
+Measured on CPU only (no Triton there): the key, the refusals, and that the fused-loss forward gives the
+plain path's loss and gradients with a reference loss of the same contract, also under FSDP2. Not yet measured
+on a GPU: Liger's kernels inside shardtune (speed, memory, loss parity against the plain path), with
+torch.compile'd blocks, with packing (position_ids go through Liger's RoPE unchanged), and with PEFT.
+The DeepSpeed backend gets the kernels but keeps the plain loss (ZeRO-3 gathers the LM head only when the
+module itself is called).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtune.data import IGNORE_INDEX
+from shardtune.errors import ShardtuneError
+
+# Model types whose causal-LM module is `model` (the decoder) + `lm_head` with a plain final projection (no
+# logit soft-capping), and which Liger patches (liger_kernel.transformers.monkey_patch).
+LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LigerSetting = bool | Literal["auto"]
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def check_liger(setting: LigerSetting, device_type: str, model_type: str) -> None:
+    """Refuse `model.liger: true` where it cannot run, in one line with the fix (auto and false never are)."""
+    if setting is not True:
+        return
+    if device_type != "cuda":
+        raise ShardtuneError(f"model.liger: true needs CUDA GPUs (Liger's kernels are Triton) and this machine has "
+                             f"{device_type} only; set model.liger=auto (on only on GPUs) or false")
+    if model_type not in LIGER_MODEL_TYPES:
+        raise ShardtuneError(f"model.liger: true, but shardtune applies Liger only to {', '.join(LIGER_MODEL_TYPES)} "
+                             f"models and this one is {model_type!r}; set model.liger=false")
+    if not liger_installed():
+        raise ShardtuneError("model.liger: true, but liger-kernel is not installed; pip install 'shardtune[liger]' "
+                             "(or liger-kernel), or set model.liger=auto or false")
+
+
+def use_liger(setting: LigerSetting, device_type: str, model_type: str) -> bool:
+    """Whether this run applies Liger (after check_liger passed)."""
+    if setting is False:
+        return False
+    return device_type == "cuda" and model_type in LIGER_MODEL_TYPES and liger_installed()
+
+
+def apply_liger_kernels(causal_lm: nn.Module) -> None:
+    """Swap Liger's RMSNorm, RoPE and SwiGLU into `causal_lm` (the HF model under any adapters, on meta before
+    sharding and compile), through Liger's own instance patching. Its fused loss is installed separately."""
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=causal_lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+
+
+def liger_loss() -> Any:
+    """Liger's fused linear + cross-entropy, summing token losses (accumulated in fp32) as train/loss.py does."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32)
+
+
+def reference_fused_loss(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """What liger_loss computes, in plain torch (materialising the logits): the contract the fused path is
+    tested against on machines without Triton."""
+    return F.cross_entropy((hidden @ weight.t()).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@dataclass
+class FusedLossOutput:
+    loss: torch.Tensor  # the sum of next-token losses of the batch (fp32), as token_loss_sum returns
+
+
+def install_fused_loss(causal_lm: nn.Module, loss_fn: Any) -> None:
+    """Give `causal_lm` a forward that, called with `labels`, returns FusedLossOutput(loss=sum of next-token
+    losses) from `loss_fn(lm_head_weight, hidden [N, H], shifted_targets [N])`, never the logits; without
+    labels it is the original forward. The labels are shifted, not the hidden states, so no copy of them."""
+    original = causal_lm.forward
+
+    def forward(self: nn.Module, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if labels is None:
+            return original(*args, **kwargs)
+        hidden = self.model(*args, **kwargs).last_hidden_state
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(hidden.device)
+        loss = loss_fn(self.lm_head.weight, hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1))
+        return FusedLossOutput(loss=loss.float())
+
+    causal_lm.forward = MethodType(forward, causal_lm)

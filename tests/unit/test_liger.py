@@ -1,0 +1,130 @@
+"""model.liger: the key, its refusals before start, and the fused-loss path it selects. Liger's kernels are
+Triton (CUDA only), so here the fused path runs with a plain-torch loss of the same contract
+(models.liger.reference_fused_loss): the plumbing (labels shifted, -100 ignored, summed, the LM head read inside
+the root forward where FSDP2 has gathered it) must give the plain path's loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROOT, one_line_error
+
+from shardtune.config import load_config
+from shardtune.data import Batch
+from shardtune.errors import ConfigError, ShardtuneError
+from shardtune.models.liger import check_liger, install_fused_loss, liger_installed, reference_fused_loss, use_liger
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("value, parsed", [("true", True), ("false", False), ("auto", "auto")])
+def test_the_key_takes_true_false_auto(value, parsed):
+    assert load_config(TINY, [f"model.liger={value}"]).model.liger == parsed
+    assert load_config(TINY, []).model.liger is False  # off until measured on a GPU (RESULTS.md)
+
+
+def test_the_key_refuses_other_values():
+    with pytest.raises(ConfigError, match=r"model\.liger"):
+        load_config(TINY, ["model.liger=fast"])
+
+
+def test_auto_and_false_do_nothing_on_a_cpu():
+    for setting in ("auto", False):
+        check_liger(setting, "cpu", "llama")
+        assert not use_liger(setting, "cpu", "llama")
+    assert not use_liger("auto", "cuda", "gemma2")  # soft-capped logits: not the plain LM head the fused loss reads
+    assert use_liger("auto", "cuda", "llama") == liger_installed()
+
+
+@pytest.mark.parametrize("device, model_type, words", [
+    ("cpu", "llama", ["needs CUDA GPUs", "model.liger=auto"]),
+    ("cuda", "gemma2", ["'gemma2'", "model.liger=false"]),
+])
+def test_true_is_refused_where_it_cannot_run(device, model_type, words):
+    with pytest.raises(ShardtuneError) as err:
+        check_liger(True, device, model_type)
+    assert all(w in str(err.value) for w in words), err.value
+
+
+def test_validate_refuses_true_on_this_cpu_in_one_line(cli):
+    one_line_error(cli("validate", TINY, "model.liger=true"), "model.liger: true needs CUDA GPUs")
+
+
+def _batch(seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 250, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt
+    labels[1, 9:] = -100  # padding
+    return Batch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+
+
+FUSED_CALLS = []
+
+
+def _counted(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """reference_fused_loss, counting its calls: the fused backend really took the fused path."""
+    FUSED_CALLS.append(type(weight).__name__)  # a plain tensor under FSDP2: the root forward gathered it
+    return reference_fused_loss(weight, hidden, targets)
+
+
+def _tiny_backends(strategy: str):
+    """Two FSDP2 backends (a gloo group of 1) over the same tiny-llama weights: the plain loss, the fused one."""
+    from shardtune.assemble import assemble
+    from shardtune.dist import init_distributed
+    from shardtune.models.build import load_hf_config
+    from shardtune.parallel import make_backend
+    from shardtune.train.loss import token_loss_sum
+    from shardtune.train.optim import OptimizerFactory
+
+    cfg = load_config(TINY, [f"parallel.strategy={strategy}", "parallel.nproc=1"])
+    ctx = init_distributed()
+    hf_config = load_hf_config(cfg.model)
+    out = []
+    for fused in (False, True):
+        built = assemble(cfg.model, cfg.peft, "fp32", hf_config, ctx.device, 1)
+        backend = make_backend(cfg, ctx, token_loss_sum)
+        if fused:
+            install_fused_loss(built.base, _counted)
+            backend.fused_loss = True
+        backend.setup(built.model, built.blocks, built.source, OptimizerFactory(cfg.optim, cfg.train.lr))
+        out.append(backend)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "ddp"])
+def test_the_fused_loss_path_gives_the_plain_loss_and_gradients(strategy):
+    try:
+        plain, fused = _tiny_backends(strategy)
+        FUSED_CALLS.clear()
+        batch = _batch()
+        normalizer = torch.tensor(float((batch.labels[:, 1:] != -100).sum()))
+        losses = [b.forward_backward(batch, normalizer) for b in (plain, fused)]
+        assert float(losses[0]) == pytest.approx(float(losses[1]), abs=1e-6)
+        assert FUSED_CALLS in (["Parameter"], ["Tensor"]), FUSED_CALLS  # once, on the gathered LM head
+        grads = [{n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                  for n, p in b.module.named_parameters()} for b in (plain, fused)]
+        assert grads[0].keys() == grads[1].keys() and any("lm_head" in n or "embed" in n for n in grads[0])
+        for name in grads[0]:
+            torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+        # Evaluation (no labels) still gets logits from the same module.
+        assert fused.forward(batch).shape == (2, 12, fused.module.config.vocab_size)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_the_fused_forward_shifts_labels_and_ignores_the_masked_ones():
+    from shardtune.models.build import build_on_meta, load_hf_config
+    from shardtune.train.loss import token_loss_sum
+
+    cfg = load_config(TINY, [])
+    model = build_on_meta(load_hf_config(cfg.model), "sdpa").to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    batch = _batch(1)
+    want = token_loss_sum(model(input_ids=batch.input_ids).logits, batch.labels)
+    install_fused_loss(model, reference_fused_loss)
+    got = model(input_ids=batch.input_ids, labels=batch.labels).loss
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6)

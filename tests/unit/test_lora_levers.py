@@ -1,0 +1,46 @@
+"""LoRA levers of issue 17 that need no GPU to check. `peft.dropout: 0` (the default) puts no dropout in the
+adapter path: PEFT builds nn.Identity for a dropout of 0 (peft/tuners/lora/layer.py, update_layer), so there
+is nothing to remove on shardtune's side; this keeps it so, and checks that training-mode outputs are then
+the eval-mode ones (no random mask)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROOT
+
+from shardtune.assemble import assemble
+from shardtune.config import load_config
+from shardtune.models.build import load_hf_config
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+
+
+def _lora(dropout: float):
+    cfg = load_config(TINY, ["peft.method=lora", f"peft.dropout={dropout}"])
+    built = assemble(cfg.model, cfg.peft, "fp32", load_hf_config(cfg.model), torch.device("cpu"), 1)
+    model = built.model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)  # lora_B too, so the adapter path changes the output
+    return model
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_no_dropout_module_when_lora_dropout_is_zero(dropout):
+    model = _lora(dropout)
+    adapted = [n for n, m in model.named_modules() if n.endswith("lora_A")]
+    found = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
+    assert len(adapted) >= 7 and len(found) == (len(adapted) if dropout else 0), found[:3]
+
+
+def test_with_dropout_zero_training_mode_gives_the_eval_outputs():
+    model = _lora(0.0)
+    ids = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        train = model.train()(input_ids=ids).logits
+        evals = model.eval()(input_ids=ids).logits
+    torch.testing.assert_close(train, evals, atol=0, rtol=0)
+    model_drop = _lora(0.1)
+    with torch.no_grad():
+        assert not torch.equal(model_drop.train()(input_ids=ids).logits, model_drop.eval()(input_ids=ids).logits)

@@ -1,0 +1,128 @@
+"""What a run reports about its speed: tokens/s and MFU count training time only (an evaluation inside a
+logged interval does not slow the record down), and the run ends with one line of the numbers that matter.
+
+One real 1-process training run (in this process, gloo group of 1) whose evaluation is made slow on
+purpose: 50 eval micro-batches (forwards) against 4 training steps per logged interval."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+
+from shardtune.config import load_config
+from shardtune.train.loop import run_training
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+EVERY = 4  # log.every
+EVAL_AT = 6  # the evaluation falls inside the interval logged at step 8
+
+
+@pytest.fixture(scope="module")
+def slow_eval_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    tmp = tmp_path_factory.mktemp("throughput")
+    rows = (ROOT / "examples" / "data" / "tasks.jsonl").read_text().splitlines()[:600]
+    (tmp / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = load_config(TINY, [f"data.train_file={tmp / 'rows.jsonl'}", "data.eval_fraction=0.5",
+                             f"data.cache_dir={tmp / 'cache'}", f"train.output_dir={tmp / 'run'}",
+                             "train.micro_batch_size=4", "train.max_steps=8", f"train.eval_every={EVAL_AT}",
+                             "train.eval_batches=50", f"log.every={EVERY}", "log.progress=false",
+                             "checkpoint.save_final=false", "parallel.nproc=1"])
+    err = io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's workers run (OMP_NUM_THREADS=1): 2 threads crawl on a busy machine
+    try:
+        with contextlib.redirect_stderr(err):
+            run_training(cfg)
+    finally:
+        torch.set_num_threads(threads)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return tmp / "run", err.getvalue()
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tokens_per_sec_leaves_out_the_evaluation_inside_an_interval(slow_eval_run):
+    out, _ = slow_eval_run
+    steps = {r["step"]: r for r in _records(out) if not r.get("eval")}
+    assert sorted(steps) == [4, 8]
+    before, with_eval = steps[4], steps[8]
+    assert "eval_s" not in before and with_eval["eval_s"] > 0
+    train_s = with_eval["step_time_s"] * EVERY
+    # Counted as training time, the evaluation alone would make the interval's time longer than eval_s; it is
+    # shorter because the evaluation (50 forwards) takes longer than 4 training steps and is left out.
+    assert train_s < with_eval["eval_s"], (train_s, with_eval)
+    # tokens/s (and MFU, computed from it) describe the same training seconds as step_time_s: about as many
+    # tokens in each interval of 4 steps of 4 sequences.
+    tokens = [r["tokens_per_sec"] * r["step_time_s"] * EVERY for r in (before, with_eval)]
+    assert tokens[1] == pytest.approx(tokens[0], rel=0.3), tokens
+
+
+def test_the_start_says_how_much_of_the_held_out_set_each_evaluation_runs(slow_eval_run):
+    _, err = slow_eval_run
+    # 300 held-out examples, 50 micro-batches of 4 on 1 process.
+    assert "eval: the first 200 of 300 held-out examples each time (train.eval_batches=50" in err, err
+
+
+@pytest.mark.parametrize("setting, eval_every, grad_accum, steps, cap", [
+    ("auto", 0, 1, 30, 15),  # a 30-step run evaluates 15 micro-batches per process, not 1,000 examples
+    ("auto", 0, 1, 1, 1),
+    ("auto", 100, 2, 300, 100),
+    ("auto", 0, 4, 7, 14),
+    (8, 0, 1, 30, 8),
+])
+def test_eval_batches_auto_is_sized_to_the_run(setting, eval_every, grad_accum, steps, cap):
+    from shardtune.config import TrainConfig
+    from shardtune.train.loop import eval_batch_cap
+
+    t = TrainConfig(eval_batches=setting, eval_every=eval_every, grad_accum=grad_accum)
+    assert eval_batch_cap(t, steps) == cap
+
+
+@pytest.mark.parametrize("value", ["all", None])
+def test_eval_batches_all_or_null_evaluates_everything(value):
+    from shardtune.config import TrainConfig
+    from shardtune.train.loop import eval_batch_cap
+
+    assert eval_batch_cap(TrainConfig(eval_batches=value), 30) >= 10**9
+    assert TrainConfig().eval_batches == "auto"
+
+
+def test_eval_batches_refuses_other_words(tmp_path):
+    from shardtune.config import load_config
+    from shardtune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eval_batches"):
+        load_config(TINY, ["train.eval_batches=some"])
+
+
+def test_the_run_ends_with_its_throughput_line_and_summary(slow_eval_run):
+    out, err = slow_eval_run
+    last = {r["step"]: r for r in _records(out) if not r.get("eval")}[8]  # the first interval (warm-up) is left out
+    t = json.loads((out / "summary.json").read_text())["throughput"]
+    assert t["tokens_per_sec"] == last["tokens_per_sec"] and t["intervals"] == 1 and t["from_step"] == 8
+    assert t["mfu"] is None and t["peak_mem_gib"] > 0  # no MFU without a GPU's peak
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"throughput: {last['tokens_per_sec']:,.0f} tokens/s ("), lines[-1]
+    assert "GiB (host RSS)" in lines[-1] and "without evaluation and checkpoint time" in lines[-1]
+
+
+def test_the_throughput_line_on_a_gpu_shows_mfu_and_both_peaks():
+    from shardtune.train.loop import throughput, throughput_line
+
+    history = [{"step": s, "tokens_per_sec": tps, "tokens_per_sec_per_device": tps, "mfu": m, "peak_mem_gib": mem,
+                "peak_reserved_gib": mem + 3, "step_time_s": 0.1}
+               for s, tps, m, mem in [(5, 1000.0, 0.1, 20.0), (10, 52800.0, 0.5, 27.1), (15, 52000.0, 0.49, 26.0),
+                                      (20, 53000.0, 0.51, 26.0)]]
+    line = throughput_line(throughput(history), "cuda")
+    assert line.startswith("throughput: 52,800 tokens/s (52,800 per device, 52,000-53,000), MFU 50.0%, "
+                           "peak memory 27.1 GiB allocated, 30.1 GiB reserved; median of 3 logged intervals "
+                           "from step 10"), line
