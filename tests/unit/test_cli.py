@@ -361,3 +361,17 @@ def test_install_hints_name_commands_that_work_from_a_checkout():
     offenders = [str(p.relative_to(ROOT)) for p in sources if "shardtune[" in p.read_text()]
     assert sources and offenders == []
 
+
+
+def test_the_api_function_survives_an_import_of_the_train_subpackage():
+    """`import shardtune.train.loop` binds shardtune.train to the subpackage: it must still be the API call."""
+    import inspect
+
+    import shardtune
+    import shardtune.train.loop
+    from shardtune.errors import ShardtuneError
+
+    assert callable(shardtune.train)
+    with pytest.raises(ShardtuneError, match="zero4"):  # the API's own check, before any process starts
+        shardtune.train(TINY, ["parallel.strategy=zero4"])
+    assert inspect.signature(shardtune.api.train).parameters.keys() >= {"overrides", "nproc", "output_dir"}

@@ -32,6 +32,9 @@ UPWARD_ALLOWED = {
     # The preset table is data that imports nothing; config checks a preset's name at load, so a typo stops
     # with the key's one-line error like every other config error.
     ("config", "shardtune.models.presets"),
+    # The train package shares its name with the public API function: once imported it hides the function on the
+    # shardtune package, so calling the package dispatches (lazily) to api.train (train/__init__.py).
+    ("train", "shardtune.api"),
 }
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
