@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (torchrun rendezvous)")
     t.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     t.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    t.add_argument("--rdzv-id", default="shardtune", help="the job's id at the rendezvous (multi-node; Slurm: the "
+                                                          "job id), so two jobs on one endpoint never meet")
     t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
                    help="continue from a checkpoint (auto = the newest complete one in the run directory)")
     _hardware_flags(t)
@@ -79,10 +81,29 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "micro-batch size")
     pl.add_argument("--check", default=None, metavar="RUN_DIR",
                     help="compare a finished run's measured peak memory and tokens/s with its plan.json")
-    pl.add_argument("--emit", default=None, metavar="deepspeed|accelerate",
-                    help="print a DeepSpeed JSON for transformers.TrainingArguments(deepspeed=...), or an "
-                         "`accelerate launch --config_file` YAML, to stdout (hints go to stderr)")
+    pl.add_argument("--emit", default=None, metavar="deepspeed|accelerate|pytorchjob",
+                    help="print a DeepSpeed JSON for transformers.TrainingArguments(deepspeed=...), an "
+                         "`accelerate launch --config_file` YAML, or a Kubeflow PyTorchJob manifest (with --nodes, "
+                         "--gpus-per-node, --image), to stdout (hints go to stderr)")
+    pl.add_argument("--nodes", default=None, help="--emit pytorchjob: nodes (pods)")
+    pl.add_argument("--gpus-per-node", default=None, help="--emit pytorchjob: GPUs per node")
+    pl.add_argument("--image", default=None, help="--emit pytorchjob: a container image with shardtune installed")
     pl.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("slurm", help="print (or --submit) an sbatch script that trains CONFIG on several nodes, "
+                                     "preemption-safe (requeue, checkpoint on SIGTERM, --resume auto)")
+    s.add_argument("config", help="YAML config file (on storage every node sees)")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides, passed to every node")
+    s.add_argument("--nodes", default=None, help="nodes in the job")
+    s.add_argument("--gpus-per-node", default=None, help="GPUs (processes) per node")
+    s.add_argument("--partition", default=None)
+    s.add_argument("--time", default=None, help="time limit, sbatch's form (e.g. 4:00:00)")
+    s.add_argument("--account", default=None)
+    s.add_argument("--output-dir", default=None, help="run directory on shared storage (overrides "
+                                                      "train.output_dir)")
+    s.add_argument("--submit", action="store_true", help="write the script to OUTPUT_DIR/slurm.sbatch and run "
+                                                         "sbatch on it")
+    s.set_defaults(func=cmd_slurm)
 
     m = sub.add_parser("init-model", help="write a random-init Hugging Face model directory for a preset")
     m.add_argument("out_dir")
@@ -166,7 +187,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         worker_args.append(f"checkpoint.resume={cfg.checkpoint.resume}")
         os.environ[VERIFIED_ENV] = cfg.checkpoint.resume
-    opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                         rdzv_id=args.rdzv_id)
     from shardtune.checkpoint.runlock import lock_run_dir, release_run_dir
 
     out = Path(cfg.train.output_dir)
@@ -222,12 +244,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-EMITS = ("deepspeed", "accelerate")
+EMITS = ("deepspeed", "accelerate", "pytorchjob")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`shardtune plan`: the resolved strategy, and the planner's memory and time for every way to run the config
     (config and model checks only; no data, no processes, no GPU needed)."""
+    if args.emit == "pytorchjob" and args.config is not None:
+        return _emit_pytorchjob(args)  # a launch file: no model to price
     from shardtune.config import load_config
     from shardtune.launch import resolve_nproc
     from shardtune.models.build import load_hf_config
@@ -358,6 +382,79 @@ def _emit_accelerate(cfg: Any, hf_config: Any, world: int) -> None:
     print(yaml.safe_dump(out, sort_keys=False), end="")
     for note in notes:
         print(note, file=sys.stderr)
+
+
+def _count(flag: str, text: str | None) -> int:
+    """A flag that must be a positive integer, given; one line naming it otherwise."""
+    if text is None:
+        raise ShardtuneError(f"{flag}: missing; give the number, e.g. {flag} 2")
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ShardtuneError(f"{flag} {text}: expected a positive integer")
+    return value
+
+
+def _cluster_job(args: argparse.Namespace, output_dir: str | None = None) -> Any:
+    """The job every node runs, with absolute paths (nodes start elsewhere than the submitting directory)."""
+    from shardtune.cluster import Job
+    from shardtune.config import load_config
+
+    nodes, gpus = _count("--nodes", args.nodes), _count("--gpus-per-node", args.gpus_per_node)
+    cfg = load_config(args.config, list(args.overrides))  # a bad key fails here, not on every node of the job
+    out = output_dir or str(Path(getattr(args, "output_dir", None) or cfg.train.output_dir).resolve())
+    return Job(config=str(Path(args.config).resolve()), output_dir=out, nodes=nodes, gpus_per_node=gpus,
+               overrides=list(args.overrides), name=f"shardtune-{Path(out).name}".lower())
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    """`shardtune slurm`: the sbatch script (printed), or written to OUTPUT_DIR/slurm.sbatch and submitted."""
+    from shardtune.cluster import sbatch_script
+
+    job = _cluster_job(args)
+    script = sbatch_script(job, sys.executable, partition=args.partition, time=args.time, account=args.account)
+    import shutil
+
+    if args.submit and shutil.which("sbatch") is None:
+        raise ShardtuneError("--submit: sbatch not found on PATH; run on a Slurm login node, or drop --submit and "
+                             "submit the printed script there")
+    try:  # the job's log goes there, and Slurm drops a log whose folder does not exist when the job starts
+        Path(job.output_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ShardtuneError(f"--output-dir {job.output_dir}: cannot create it ({err.strerror}); give a folder on "
+                             "storage every node sees") from None
+    if not args.submit:
+        print(script, end="")
+        return 0
+    import subprocess
+
+    path = Path(job.output_dir) / "slurm.sbatch"
+    path.write_text(script)
+    proc = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise ShardtuneError(f"sbatch {path} failed (exit {proc.returncode}): {said}")
+    print(f"wrote {path}; {proc.stdout.strip()}")
+    return 0
+
+
+def _emit_pytorchjob(args: argparse.Namespace) -> int:
+    import yaml
+
+    from shardtune.cluster import pytorchjob
+
+    if not args.image:
+        raise ShardtuneError("--emit pytorchjob: --image missing; give the container image with shardtune installed")
+    # Inside the pods the run dir and config live on the output volume, mounted at /shardtune.
+    job = _cluster_job(args)
+    job = type(job)(config=f"/shardtune/{Path(args.config).name}", output_dir=f"/shardtune/{Path(job.output_dir).name}",
+                    nodes=job.nodes, gpus_per_node=job.gpus_per_node, overrides=job.overrides, name=job.name)
+    print(yaml.safe_dump(pytorchjob(job, args.image), sort_keys=False), end="")
+    print(f"note: copy {args.config} to the volume claim {job.name}-output (ReadWriteMany) as "
+          f"{Path(args.config).name}; the run dir is {job.output_dir} there", file=sys.stderr)
+    return 0
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
