@@ -171,6 +171,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if under_torchrun():
         return _worker(args.config, _overrides(args), overwrite=args.overwrite, debug=args.debug)
+    _check_nodes(args)
+    if args.node_rank and args.rdzv_endpoint:  # the first node hosts the rendezvous; the others wait for it
+        from shardtune.launch import DEFAULT_RDZV_TIMEOUT_S, wait_for_endpoint
+
+        wait_s = int(os.environ.get(RDZV_TIMEOUT_ENV) or DEFAULT_RDZV_TIMEOUT_S)
+        if not wait_for_endpoint(args.rdzv_endpoint, wait_s):
+            raise ShardtuneError(f"--rdzv-endpoint {args.rdzv_endpoint}: nothing answered there within {wait_s} s; "
+                                 "start node rank 0 (it hosts the rendezvous) and check the host, port and firewall "
+                                 f"({RDZV_TIMEOUT_ENV} sets the wait)")
     from shardtune.config import load_config
     from shardtune.plan import auto_keys, auto_overrides
     from shardtune.validate import validate
@@ -187,8 +196,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         worker_args.append(f"checkpoint.resume={cfg.checkpoint.resume}")
         os.environ[VERIFIED_ENV] = cfg.checkpoint.resume
+    timeout = os.environ.get(RDZV_TIMEOUT_ENV)
     opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                         rdzv_id=args.rdzv_id)
+                         rdzv_id=args.rdzv_id, rdzv_timeout=int(timeout) if timeout else None)
     from shardtune.checkpoint.runlock import lock_run_dir, release_run_dir
 
     out = Path(cfg.train.output_dir)
@@ -200,6 +210,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         if holder:
             release_run_dir(out)
+
+
+RDZV_TIMEOUT_ENV = "SHARDTUNE_RDZV_TIMEOUT"
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """The multi-node flags, before anything starts: a node rank out of range or an endpoint that cannot be
+    resolved would otherwise wait at the rendezvous for nodes that never come (10 minutes by default)."""
+    import socket
+
+    if args.nnodes < 1:
+        raise ShardtuneError(f"--nnodes {args.nnodes}: expected a positive integer")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise ShardtuneError(f"--node-rank {args.node_rank}: out of range for --nnodes {args.nnodes} (0 to "
+                             f"{args.nnodes - 1})")
+    timeout = os.environ.get(RDZV_TIMEOUT_ENV, "")
+    if timeout and not (timeout.isdigit() and int(timeout) > 0):
+        raise ShardtuneError(f"{RDZV_TIMEOUT_ENV}={timeout}: expected a positive number of seconds")
+    if args.rdzv_endpoint is None:
+        if args.nnodes > 1:
+            raise ShardtuneError(f"--nnodes {args.nnodes}: give --rdzv-endpoint HOST:PORT (a host every node reaches; "
+                                 "node rank 0's, for example)")
+        return
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShardtuneError(f"--rdzv-endpoint {args.rdzv_endpoint}: expected HOST:PORT, e.g. node01:29500")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except OSError as err:
+        raise ShardtuneError(f"--rdzv-endpoint {args.rdzv_endpoint}: cannot resolve {host} ({err.strerror}); give "
+                             "a host name or address every node reaches") from None
 
 
 def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug: bool = False) -> int:

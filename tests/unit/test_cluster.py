@@ -162,3 +162,52 @@ def test_pytorchjob_manifest(cli):
 ])
 def test_pytorchjob_bad_input(cli, args, fragment):
     one_line_error(cli("plan", TINY, "--emit", "pytorchjob", *args), fragment)
+
+
+# --- train's multi-node flags: bad input and a rendezvous that never completes -----------------------------------
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29500"], "--node-rank 2: out of range"),
+    (["--nnodes", "2", "--node-rank", "-1", "--rdzv-endpoint", "127.0.0.1:29500"], "--node-rank -1: out of range"),
+    (["--nnodes", "0"], "--nnodes 0"),
+    (["--nnodes", "2", "--node-rank", "1"], "give --rdzv-endpoint"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1"], "expected HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29500"], "cannot resolve no-such-host.invalid"),
+])
+def test_train_multi_node_bad_input(cli, tmp_path, args, fragment):
+    one_line_error(cli("train", TINY, "--output-dir", str(tmp_path / "run"), *args), fragment)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rendezvous_that_never_completes_is_one_line(cli, tmp_path, monkeypatch, capsys):
+    """Node rank 1 whose endpoint nobody serves: it waits SHARDTUNE_RDZV_TIMEOUT seconds for it, then one line,
+    before the config is even read. The node that serves the endpoint, when the other never comes: torchrun's join
+    timeout (set from the same variable), then one line, exit 2 (the launcher itself; no worker starts)."""
+    import time
+
+    from shardtune.launch import LaunchOptions, run_torchrun, torchrun_args
+
+    for key in ("OMP_NUM_THREADS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "SHARDTUNE_LAUNCHER_PID", "PYTHONUNBUFFERED"):
+        if key in os.environ:  # the in-process launcher sets these; restored after the test
+            monkeypatch.setenv(key, os.environ[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SHARDTUNE_RDZV_TIMEOUT", "2")
+    endpoint = f"127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    one_line_error(cli("train", TINY, "--output-dir", str(tmp_path / "a"), "--nnodes", "2", "--node-rank", "1",
+                       "--rdzv-endpoint", endpoint), f"--rdzv-endpoint {endpoint}: nothing answered there within 2 s")
+    capsys.readouterr()
+    opts = LaunchOptions(nnodes=2, node_rank=0, rdzv_endpoint=endpoint, rdzv_timeout=2)
+    code = run_torchrun(torchrun_args(1, ["--version"], opts), 1)
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err
+    one_line_error(type("P", (), {"returncode": code, "stderr": err})(),
+                   f"rendezvous at {endpoint} failed within 2 s (RendezvousTimeoutError)")
