@@ -205,6 +205,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     holder = args.nnodes == 1 or args.node_rank == 0  # one node locks a shared output dir for all
     if holder:
         lock_run_dir(out)  # held by this launcher until the workers end (or it dies)
+    elif args.node_rank is not None:  # node rank 0's launcher holds it, whichever node's worker is global rank 0
+        from shardtune.checkpoint.runlock import LOCK_ENV
+
+        os.environ[LOCK_ENV] = str(out.resolve())
     try:
         return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
     finally:

@@ -424,3 +424,69 @@ def test_kill_9_of_the_launchers_group_leaves_no_worker(tmp_path, cache):
         assert sorted((p.name, p.stat().st_size) for p in out.rglob("*") if p.is_file()) == before
     finally:
         _reap(proc, pids)
+
+
+# --- Two "nodes" on one host: two `shardtune train` launchers meeting at a loopback rendezvous -------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, cache, reference):
+    """The reference's run on two "nodes" of 2 processes each (4 ranks, hsdp with the default shard size: the
+    processes per node), stopped after step 5: two launchers, node ranks 0 and 1, one c10d rendezvous on
+    127.0.0.1. The same 16 sequences per step (4 ranks x 4, no accumulation). Its run directory."""
+    out = tmp_path_factory.mktemp("nodes") / "run"
+    common = ["train", TINY, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+              "--rdzv-id", "two-nodes", "--output-dir", str(out), f"train.max_steps={STEPS}",
+              "train.micro_batch_size=4", "train.grad_accum=1", "parallel.strategy=hsdp", "log.every=1",
+              "log.progress=false", "train.eval_batches=1", "checkpoint.every_steps=3", "train.stop_after_step=5",
+              f"data.cache_dir={cache}"]
+    logs = [out.parent / f"node{n}.txt" for n in (0, 1)]
+    procs = []
+    try:
+        for n, log in enumerate(logs):
+            with log.open("w") as err:
+                procs.append(subprocess.Popen([sys.executable, "-m", "shardtune", *common, "--node-rank", str(n)],
+                                              cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err))
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _reap(p, descendants(p.pid))
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    return out
+
+
+def test_two_nodes_match_one_node_resume_on_one_process_and_export(two_nodes, reference, reference_run, cache,
+                                                                    tmp_path, cli):
+    """Losses of the 4-rank two-node hsdp run equal the reference's (which the reshard tests tie to one process);
+    its checkpoint resumes on 1 process (grad_accum 4) and ends on the reference's trajectory and final weights;
+    the 4-rank checkpoint exports to a directory transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    summary = json.loads((two_nodes / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["strategy"] == "hsdp"
+    got = losses(two_nodes)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert max(abs(got[s] - reference[s]) for s in got) <= 1e-5
+    assert [p.name for p in complete_checkpoints(two_nodes / "checkpoints")] == ["step-00000003", "step-00000005"]
+    out = tmp_path / "run"
+    shutil.copytree(two_nodes, out)
+    proc = train(out, cache, "--resume", nproc=1, strategy="zero2", accum=4)
+    assert "resumed from" in proc.stderr and "step-00000005" in proc.stderr
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - reference[s]) for s in reference) <= 1e-5
+    exported = tmp_path / "hf"
+    assert cli("export", str(two_nodes / "checkpoints" / "step-00000005"), str(exported)).returncode == 0
+    ids = torch.tensor([[1, 5, 9, 13]])
+    logits = AutoModelForCausalLM.from_pretrained(exported)(input_ids=ids).logits
+    assert torch.isfinite(logits).all()
+    final, ref = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict() for d in (out, reference_run))
+    assert max((final[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
