@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from shardtune.checkpoint.formats import Format
-from shardtune.checkpoint.layout import TRAINER_STATE, complete_checkpoints, read_trainer_state, step_dir
+from shardtune.checkpoint.layout import (
+    TRAINER_STATE,
+    complete_checkpoints,
+    read_trainer_state,
+    record_own,
+    step_dir,
+)
 from shardtune.config import CheckpointConfig
 from shardtune.dist import DistContext
 
@@ -74,7 +80,9 @@ class Checkpointer:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
             self.write_hf_dir(tmp / "hf")
         _barrier()
-        _save_rng(tmp / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
+        rng = tmp / "rng" / f"rank{self.ctx.rank}.safetensors"
+        _save_rng(rng, self.ctx.device)
+        record_own(tmp, [rng], self.ctx.rank, "rng")
         info = {"step": step, "world_size": self.ctx.world, "format": self.fmt.name}
         written = self.fmt.write(backend, tmp, step_dir(self.root, step), info)
         if written.done is None:  # written and in place already
