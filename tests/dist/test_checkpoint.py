@@ -476,6 +476,11 @@ def test_two_nodes_match_one_node_resume_on_one_process_and_export(two_nodes, re
     assert sorted(got) == [1, 2, 3, 4, 5]
     assert max(abs(got[s] - reference[s]) for s in got) <= 1e-5
     assert [p.name for p in complete_checkpoints(two_nodes / "checkpoints")] == ["step-00000003", "step-00000005"]
+    # Each rank checksummed its own shard and RNG files (rank 0 read none of the other node's files).
+    files = json.loads((two_nodes / "checkpoints" / "step-00000005" / "manifest.json").read_text())["files"]
+    for rank in range(4):
+        own = [name for name in files if name.startswith(f"__{rank}_") or name == f"rng/rank{rank}.safetensors"]
+        assert len(own) >= 2 and all(files[name]["by"] == rank for name in own), (rank, own)
     out = tmp_path / "run"
     shutil.copytree(two_nodes, out)
     proc = train(out, cache, "--resume", nproc=1, strategy="zero2", accum=4)
