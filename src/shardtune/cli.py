@@ -275,10 +275,34 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug
         code = 2
     except KeyboardInterrupt:  # a Ctrl-C before the loop's handlers were in place: no traceback
         code = 130
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as err:
+        from shardtune.dist import lost_peer
+
+        if (said := lost_peer(err)) is None or debug:
+            traceback.print_exc()
         code = 1
+        if said is not None:  # another node (or process) died: a known failure, said in one line
+            if os.environ.get("RANK", "0") != "0":
+                time.sleep(5)
+            print(f"error: lost a process of the run (another node died or was killed?): {said}; "
+                  f"{_newest_checkpoint(config, overrides)}", file=sys.stderr, flush=True)
+            code = 2
     clean_exit(code)
+
+
+def _newest_checkpoint(config: str, overrides: list[str]) -> str:
+    """Where a failed run goes on from, as the end of its error line."""
+    try:
+        from shardtune.checkpoint.layout import checkpoint_root, complete_checkpoints
+        from shardtune.config import load_config
+
+        cfg = load_config(config, overrides)
+        found = complete_checkpoints(checkpoint_root(cfg.checkpoint, cfg.train.output_dir))
+    except Exception:  # only a hint: the error line is what matters
+        found = []
+    if not found:
+        return "no complete checkpoint yet: start again when every node is back"
+    return f"the newest complete checkpoint is {found[-1]}: continue with --resume auto when every node is back"
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
