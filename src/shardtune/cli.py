@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (torchrun rendezvous)")
     t.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     t.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    t.add_argument("--rdzv-id", default="shardtune", help="the job's id at the rendezvous (multi-node; Slurm: the "
+                                                          "job id), so two jobs on one endpoint never meet")
     t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
                    help="continue from a checkpoint (auto = the newest complete one in the run directory)")
     _hardware_flags(t)
@@ -79,10 +81,29 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "micro-batch size")
     pl.add_argument("--check", default=None, metavar="RUN_DIR",
                     help="compare a finished run's measured peak memory and tokens/s with its plan.json")
-    pl.add_argument("--emit", default=None, metavar="deepspeed|accelerate",
-                    help="print a DeepSpeed JSON for transformers.TrainingArguments(deepspeed=...), or an "
-                         "`accelerate launch --config_file` YAML, to stdout (hints go to stderr)")
+    pl.add_argument("--emit", default=None, metavar="deepspeed|accelerate|pytorchjob",
+                    help="print a DeepSpeed JSON for transformers.TrainingArguments(deepspeed=...), an "
+                         "`accelerate launch --config_file` YAML, or a Kubeflow PyTorchJob manifest (with --nodes, "
+                         "--gpus-per-node, --image), to stdout (hints go to stderr)")
+    pl.add_argument("--nodes", default=None, help="--emit pytorchjob: nodes (pods)")
+    pl.add_argument("--gpus-per-node", default=None, help="--emit pytorchjob: GPUs per node")
+    pl.add_argument("--image", default=None, help="--emit pytorchjob: a container image with shardtune installed")
     pl.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("slurm", help="print (or --submit) an sbatch script that trains CONFIG on several nodes, "
+                                     "preemption-safe (requeue, checkpoint on SIGTERM, --resume auto)")
+    s.add_argument("config", help="YAML config file (on storage every node sees)")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides, passed to every node")
+    s.add_argument("--nodes", default=None, help="nodes in the job")
+    s.add_argument("--gpus-per-node", default=None, help="GPUs (processes) per node")
+    s.add_argument("--partition", default=None)
+    s.add_argument("--time", default=None, help="time limit, sbatch's form (e.g. 4:00:00)")
+    s.add_argument("--account", default=None)
+    s.add_argument("--output-dir", default=None, help="run directory on shared storage (overrides "
+                                                      "train.output_dir)")
+    s.add_argument("--submit", action="store_true", help="write the script to OUTPUT_DIR/slurm.sbatch and run "
+                                                         "sbatch on it")
+    s.set_defaults(func=cmd_slurm)
 
     m = sub.add_parser("init-model", help="write a random-init Hugging Face model directory for a preset")
     m.add_argument("out_dir")
@@ -150,6 +171,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if under_torchrun():
         return _worker(args.config, _overrides(args), overwrite=args.overwrite, debug=args.debug)
+    _check_nodes(args)
+    if args.node_rank and args.rdzv_endpoint:  # the first node hosts the rendezvous; the others wait for it
+        from shardtune.launch import DEFAULT_RDZV_TIMEOUT_S, wait_for_endpoint
+
+        wait_s = int(os.environ.get(RDZV_TIMEOUT_ENV) or DEFAULT_RDZV_TIMEOUT_S)
+        if not wait_for_endpoint(args.rdzv_endpoint, wait_s):
+            raise ShardtuneError(f"--rdzv-endpoint {args.rdzv_endpoint}: nothing answered there within {wait_s} s; "
+                                 "start node rank 0 (it hosts the rendezvous) and check the host, port and firewall "
+                                 f"({RDZV_TIMEOUT_ENV} sets the wait)")
     from shardtune.config import load_config
     from shardtune.plan import auto_keys, auto_overrides
     from shardtune.validate import validate
@@ -166,18 +196,55 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         worker_args.append(f"checkpoint.resume={cfg.checkpoint.resume}")
         os.environ[VERIFIED_ENV] = cfg.checkpoint.resume
-    opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    timeout = os.environ.get(RDZV_TIMEOUT_ENV)
+    opts = LaunchOptions(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                         rdzv_id=args.rdzv_id, rdzv_timeout=int(timeout) if timeout else None)
     from shardtune.checkpoint.runlock import lock_run_dir, release_run_dir
 
     out = Path(cfg.train.output_dir)
     holder = args.nnodes == 1 or args.node_rank == 0  # one node locks a shared output dir for all
     if holder:
         lock_run_dir(out)  # held by this launcher until the workers end (or it dies)
+    elif args.node_rank is not None:  # node rank 0's launcher holds it, whichever node's worker is global rank 0
+        from shardtune.checkpoint.runlock import LOCK_ENV
+
+        os.environ[LOCK_ENV] = str(out.resolve())
     try:
         return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
     finally:
         if holder:
             release_run_dir(out)
+
+
+RDZV_TIMEOUT_ENV = "SHARDTUNE_RDZV_TIMEOUT"
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """The multi-node flags, before anything starts: a node rank out of range or an endpoint that cannot be
+    resolved would otherwise wait at the rendezvous for nodes that never come (10 minutes by default)."""
+    import socket
+
+    if args.nnodes < 1:
+        raise ShardtuneError(f"--nnodes {args.nnodes}: expected a positive integer")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise ShardtuneError(f"--node-rank {args.node_rank}: out of range for --nnodes {args.nnodes} (0 to "
+                             f"{args.nnodes - 1})")
+    timeout = os.environ.get(RDZV_TIMEOUT_ENV, "")
+    if timeout and not (timeout.isdigit() and int(timeout) > 0):
+        raise ShardtuneError(f"{RDZV_TIMEOUT_ENV}={timeout}: expected a positive number of seconds")
+    if args.rdzv_endpoint is None:
+        if args.nnodes > 1:
+            raise ShardtuneError(f"--nnodes {args.nnodes}: give --rdzv-endpoint HOST:PORT (a host every node reaches; "
+                                 "node rank 0's, for example)")
+        return
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShardtuneError(f"--rdzv-endpoint {args.rdzv_endpoint}: expected HOST:PORT, e.g. node01:29500")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except OSError as err:
+        raise ShardtuneError(f"--rdzv-endpoint {args.rdzv_endpoint}: cannot resolve {host} ({err.strerror}); give "
+                             "a host name or address every node reaches") from None
 
 
 def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug: bool = False) -> int:
@@ -208,10 +275,34 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug
         code = 2
     except KeyboardInterrupt:  # a Ctrl-C before the loop's handlers were in place: no traceback
         code = 130
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as err:
+        from shardtune.dist import lost_peer
+
+        if (said := lost_peer(err)) is None or debug:
+            traceback.print_exc()
         code = 1
+        if said is not None:  # another node (or process) died: a known failure, said in one line
+            if os.environ.get("RANK", "0") != "0":
+                time.sleep(5)
+            print(f"error: lost a process of the run (another node died or was killed?): {said}; "
+                  f"{_newest_checkpoint(config, overrides)}", file=sys.stderr, flush=True)
+            code = 2
     clean_exit(code)
+
+
+def _newest_checkpoint(config: str, overrides: list[str]) -> str:
+    """Where a failed run goes on from, as the end of its error line."""
+    try:
+        from shardtune.checkpoint.layout import checkpoint_root, complete_checkpoints
+        from shardtune.config import load_config
+
+        cfg = load_config(config, overrides)
+        found = complete_checkpoints(checkpoint_root(cfg.checkpoint, cfg.train.output_dir))
+    except Exception:  # only a hint: the error line is what matters
+        found = []
+    if not found:
+        return "no complete checkpoint yet: start again when every node is back"
+    return f"the newest complete checkpoint is {found[-1]}: continue with --resume auto when every node is back"
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -222,12 +313,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-EMITS = ("deepspeed", "accelerate")
+EMITS = ("deepspeed", "accelerate", "pytorchjob")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`shardtune plan`: the resolved strategy, and the planner's memory and time for every way to run the config
     (config and model checks only; no data, no processes, no GPU needed)."""
+    if args.emit == "pytorchjob" and args.config is not None:
+        return _emit_pytorchjob(args)  # a launch file: no model to price
     from shardtune.config import load_config
     from shardtune.launch import resolve_nproc
     from shardtune.models.build import load_hf_config
@@ -358,6 +451,79 @@ def _emit_accelerate(cfg: Any, hf_config: Any, world: int) -> None:
     print(yaml.safe_dump(out, sort_keys=False), end="")
     for note in notes:
         print(note, file=sys.stderr)
+
+
+def _count(flag: str, text: str | None) -> int:
+    """A flag that must be a positive integer, given; one line naming it otherwise."""
+    if text is None:
+        raise ShardtuneError(f"{flag}: missing; give the number, e.g. {flag} 2")
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ShardtuneError(f"{flag} {text}: expected a positive integer")
+    return value
+
+
+def _cluster_job(args: argparse.Namespace, output_dir: str | None = None) -> Any:
+    """The job every node runs, with absolute paths (nodes start elsewhere than the submitting directory)."""
+    from shardtune.cluster import Job
+    from shardtune.config import load_config
+
+    nodes, gpus = _count("--nodes", args.nodes), _count("--gpus-per-node", args.gpus_per_node)
+    cfg = load_config(args.config, list(args.overrides))  # a bad key fails here, not on every node of the job
+    out = output_dir or str(Path(getattr(args, "output_dir", None) or cfg.train.output_dir).resolve())
+    return Job(config=str(Path(args.config).resolve()), output_dir=out, nodes=nodes, gpus_per_node=gpus,
+               overrides=list(args.overrides), name=f"shardtune-{Path(out).name}".lower())
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    """`shardtune slurm`: the sbatch script (printed), or written to OUTPUT_DIR/slurm.sbatch and submitted."""
+    from shardtune.cluster import sbatch_script
+
+    job = _cluster_job(args)
+    script = sbatch_script(job, sys.executable, partition=args.partition, time=args.time, account=args.account)
+    import shutil
+
+    if args.submit and shutil.which("sbatch") is None:
+        raise ShardtuneError("--submit: sbatch not found on PATH; run on a Slurm login node, or drop --submit and "
+                             "submit the printed script there")
+    try:  # the job's log goes there, and Slurm drops a log whose folder does not exist when the job starts
+        Path(job.output_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ShardtuneError(f"--output-dir {job.output_dir}: cannot create it ({err.strerror}); give a folder on "
+                             "storage every node sees") from None
+    if not args.submit:
+        print(script, end="")
+        return 0
+    import subprocess
+
+    path = Path(job.output_dir) / "slurm.sbatch"
+    path.write_text(script)
+    proc = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise ShardtuneError(f"sbatch {path} failed (exit {proc.returncode}): {said}")
+    print(f"wrote {path}; {proc.stdout.strip()}")
+    return 0
+
+
+def _emit_pytorchjob(args: argparse.Namespace) -> int:
+    import yaml
+
+    from shardtune.cluster import pytorchjob
+
+    if not args.image:
+        raise ShardtuneError("--emit pytorchjob: --image missing; give the container image with shardtune installed")
+    # Inside the pods the run dir and config live on the output volume, mounted at /shardtune.
+    job = _cluster_job(args)
+    job = type(job)(config=f"/shardtune/{Path(args.config).name}", output_dir=f"/shardtune/{Path(job.output_dir).name}",
+                    nodes=job.nodes, gpus_per_node=job.gpus_per_node, overrides=job.overrides, name=job.name)
+    print(yaml.safe_dump(pytorchjob(job, args.image), sort_keys=False), end="")
+    print(f"note: copy {args.config} to the volume claim {job.name}-output (ReadWriteMany) as "
+          f"{Path(args.config).name}; the run dir is {job.output_dir} there", file=sys.stderr)
+    return 0
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:

@@ -71,6 +71,29 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+# What a collective says when a process of another node died (gloo, NCCL, the TCP store); matched in the error and
+# the errors it was raised from.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
+              "NCCL communicator was aborted", "Watchdog caught collective operation timeout", "DistNetworkError")
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """The line of `err` (or of an error it came from) that says another process of the run is gone, else None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        text = f"{type(e).__name__}: {e}"
+        for line in text.splitlines():
+            if any(marker in line for marker in _LOST_PEER):
+                return line.strip()[:300]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
 def clean_exit(code: int) -> NoReturn:
     """End a worker without the gloo abort at interpreter shutdown (pytorch/pytorch#179291).
 

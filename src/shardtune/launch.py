@@ -15,6 +15,7 @@ class LaunchOptions:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str = "shardtune"
+    rdzv_timeout: int | None = None  # seconds to wait for every node (and to reach the endpoint); None: torchrun's
 
 
 def under_torchrun() -> bool:
@@ -47,7 +48,32 @@ def torchrun_args(nproc: int, worker_args: list[str], opts: LaunchOptions) -> li
             cmd.append(f"--rdzv-endpoint={opts.rdzv_endpoint}")
         if opts.node_rank is not None:
             cmd.append(f"--node-rank={opts.node_rank}")
+        if opts.rdzv_timeout is not None:
+            cmd.append(f"--rdzv-conf=join_timeout={opts.rdzv_timeout},read_timeout={opts.rdzv_timeout}")
     return [*cmd, "-m", "shardtune", *worker_args]
+
+
+DEFAULT_RDZV_TIMEOUT_S = 600  # torchrun's own join timeout
+
+
+def wait_for_endpoint(endpoint: str, timeout_s: float) -> bool:
+    """Whether something accepts TCP connections at HOST:PORT within `timeout_s` (tried about once a second).
+
+    A node other than the first probes the rendezvous before starting torchrun: torchrun's store client, when it
+    cannot connect, retries with a C++ backtrace per try on stderr and then raises."""
+    import socket
+    import time
+
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1.0)
 
 
 def run_torchrun(args: list[str], nproc: int) -> int:
@@ -73,8 +99,11 @@ def run_torchrun(args: list[str], nproc: int) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torchrun warns that c10d ignores --node-rank; shardtune passes it on for the record (and uses it itself).
+    logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
     previous = signal.signal(stop.SAVE_SIGNAL, stop.forward_to_children)
     try:
         torchrun.run(torchrun.parse_args(args))
@@ -85,6 +114,15 @@ def run_torchrun(args: list[str], nproc: int) -> int:
             print(f"error: {err.sigval.name} again: stopped without waiting for the checkpoint; --resume auto "
                   "continues from the last complete one", file=sys.stderr)
         return 128 + int(err.sigval)
+    except RendezvousError as err:
+        # No traceback: the nodes did not meet (one never started, a wrong endpoint or id, a firewall).
+        conf = next((a for a in args if a.startswith("--rdzv-conf=")), "")
+        endpoint = next((a.split("=", 1)[1] for a in args if a.startswith("--rdzv-endpoint=")), "?")
+        within = f" within {conf.split('join_timeout=')[1].split(',')[0]} s" if "join_timeout=" in conf else ""
+        print(f"error: rendezvous at {endpoint} failed{within} ({type(err).__name__}): start every node with the "
+              "same --nnodes, --rdzv-endpoint and --rdzv-id, and check that each reaches that host and port",
+              file=sys.stderr)
+        return 2
     except ChildFailedError as err:
         codes = sorted({failure.exitcode for failure in err.failures.values()})
         if 2 in codes:

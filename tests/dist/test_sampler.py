@@ -74,3 +74,16 @@ def test_state_dict_resumes_at_the_same_indices(runs):
     for k, mbs in enumerate(resumed["steps"]):
         step = 5 + k
         assert sorted(_flat(mbs)) == sorted(_flat(two[0]["steps"][step]) + _flat(two[1]["steps"][step]))
+
+
+@pytest.mark.dist
+def test_a_checkpoint_folder_not_every_node_sees_is_refused(tmp_path):
+    """Two processes as two nodes (local world 1 each), real gloo and files: one folder for both passes and leaves
+    no marker; a folder of each node's own is refused on every rank, naming the folder and the blind node's rank."""
+    torchrun(2, [str(ROOT / "tests" / "dist" / "shared_root_worker.py"), str(tmp_path)])
+    results = [json.loads((tmp_path / f"shared-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["shared"] for r in results] == ["ok", "ok"]
+    assert results[0]["leftover"] == []
+    for rank, r in enumerate(results):  # each rank names the folder it was given
+        assert "is not shared by every node: rank 1's node does not see the file rank 0 wrote" in r["per-node"]
+        assert f"checkpoint folder {tmp_path / f'node{rank}'} " in r["per-node"]

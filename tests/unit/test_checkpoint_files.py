@@ -217,3 +217,31 @@ def test_manifests_with_crc32_only_are_still_verified(tmp_path):
     _flip_last_byte(next(step.glob("*.distcp")))
     with pytest.raises(ShardtuneError, match="crc32 checksum differs"):
         verify(step)
+
+
+def test_finalize_takes_each_ranks_own_checksums_and_reads_only_the_rest(tmp_path):
+    """Rank 1's record (record_own, written where rank 1 wrote the file) goes into the manifest as it is: rank 0
+    does not read that file. A file no rank recorded, or whose size changed since its record, rank 0 reads."""
+    from shardtune.checkpoint.layout import SUMS_DIR, record_own
+
+    tmp = tmp_path / ".step-00000001.tmp"
+    (tmp / "rng").mkdir(parents=True)
+    for name, data in [("rng/rank1.bin", b"one"), ("__1_0.distcp", b"shard-of-rank-1"), ("trainer_state.json", b"{}"),
+                       ("__1_1.distcp", b"x")]:
+        (tmp / name).write_bytes(data)
+    record_own(tmp, [tmp / "rng" / "rank1.bin", tmp / "__1_0.distcp", tmp / "__1_1.distcp"], 1, "dcp")
+    record = json.loads((tmp / SUMS_DIR / "dcp-rank1.json").read_text())
+    key = next(k for k in record["__1_0.distcp"] if k != "size" and k != "by")
+    # Rank 1 says so: a value no file could hash to shows whether rank 0 took the record or read the file.
+    record["__1_0.distcp"][key] = "from-rank-1" if key == "xxh3_64" else 7
+    (tmp / SUMS_DIR / "dcp-rank1.json").write_text(json.dumps(record))
+    (tmp / "__1_1.distcp").write_bytes(b"grown since")  # its record's size no longer matches: read again
+    final = tmp_path / "step-00000001"
+    finalize(tmp, final, {"step": 1, "world_size": 2})
+    files = json.loads((final / "manifest.json").read_text())["files"]
+    assert set(files) == {"rng/rank1.bin", "__1_0.distcp", "trainer_state.json", "__1_1.distcp"}  # no .sums
+    assert files["__1_0.distcp"][key] == record["__1_0.distcp"][key] and files["__1_0.distcp"]["by"] == 1
+    assert files["rng/rank1.bin"]["by"] == 1
+    assert files["trainer_state.json"]["by"] == 0
+    assert files["__1_1.distcp"]["by"] == 0 and files["__1_1.distcp"]["size"] == len(b"grown since")
+    assert not (final / SUMS_DIR).exists()

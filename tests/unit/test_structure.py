@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"data"},
     {"config"},
+    {"cluster"},  # launch files for clusters (text only)
     {"dist", "errors", "fileio", "metrics", "launch", "runtime"},
     {"stop"},  # signal flags and handlers, stdlib only: launch (the launcher's side) imports it
 ]

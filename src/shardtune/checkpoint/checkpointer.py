@@ -17,9 +17,16 @@ import torch
 import torch.distributed as dist
 
 from shardtune.checkpoint.formats import Format
-from shardtune.checkpoint.layout import TRAINER_STATE, complete_checkpoints, read_trainer_state, step_dir
+from shardtune.checkpoint.layout import (
+    TRAINER_STATE,
+    complete_checkpoints,
+    read_trainer_state,
+    record_own,
+    step_dir,
+)
 from shardtune.config import CheckpointConfig
 from shardtune.dist import DistContext
+from shardtune.errors import ShardtuneError
 
 
 class Checkpointer:
@@ -74,7 +81,9 @@ class Checkpointer:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
             self.write_hf_dir(tmp / "hf")
         _barrier()
-        _save_rng(tmp / "rng" / f"rank{self.ctx.rank}.safetensors", self.ctx.device)
+        rng = tmp / "rng" / f"rank{self.ctx.rank}.safetensors"
+        _save_rng(rng, self.ctx.device)
+        record_own(tmp, [rng], self.ctx.rank, "rng")
         info = {"step": step, "world_size": self.ctx.world, "format": self.fmt.name}
         written = self.fmt.write(backend, tmp, step_dir(self.root, step), info)
         if written.done is None:  # written and in place already
@@ -165,3 +174,44 @@ def _load_rng(path: Path, device: torch.device) -> None:
     torch.set_rng_state(states["cpu"])
     if device.type == "cuda" and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def check_shared_root(root: Path, ctx: DistContext, local_world: int) -> None:
+    """Refuse, before training, a checkpoint folder that is not one folder for every node: rank 0 writes a marker
+    there and each node's local rank 0 looks for it. Checkpoint shards are written by every rank into `root`; a
+    node that writes them into a folder of its own (a node-local disk, a path that differs per node) leaves
+    checkpoints that no node can resume, which would otherwise show only at the first resume.
+
+    With one node (`local_world` = the world) there is nothing to check. Costs one broadcast and one gather."""
+    import uuid
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or ctx.world <= local_world:
+        return
+    token = [uuid.uuid4().hex if ctx.is_main else ""]
+    marker_problem = ""
+    if ctx.is_main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / f".shared-{token[0]}").write_text(token[0])
+        except OSError as err:
+            marker_problem = err.strerror or str(err)
+    dist.broadcast_object_list(token, src=0)
+    seen = True
+    if ctx.rank % local_world == 0 and not ctx.is_main:  # a node's first rank (torchrun numbers nodes in blocks)
+        try:
+            seen = (root / f".shared-{token[0]}").read_text() == token[0]
+        except OSError:
+            seen = False
+    everyone: list[bool] = [True] * ctx.world
+    dist.all_gather_object(everyone, seen)
+    if ctx.is_main:
+        (root / f".shared-{token[0]}").unlink(missing_ok=True)
+    blind = [rank for rank, ok in enumerate(everyone) if not ok]
+    if marker_problem:
+        raise ShardtuneError(f"checkpoint folder {root}: cannot write there ({marker_problem})")
+    if blind:
+        raise ShardtuneError(f"checkpoint folder {root} is not shared by every node: rank {blind[0]}'s node does not "
+                             f"see the file rank 0 wrote there ({len(blind)} node(s) in all); put train.output_dir "
+                             "(or checkpoint.dir) on storage every node mounts at the same path")

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from shardtune.checkpoint.formats import LazyTensor, Written
-from shardtune.checkpoint.layout import finalize
+from shardtune.checkpoint.layout import finalize, record_own
 from shardtune.config import CheckpointConfig
 from shardtune.dist import DistContext
 from shardtune.errors import ShardtuneError
@@ -301,6 +301,15 @@ class ManifestWriter(FileSystemWriter):
     def __init__(self, tmp: Path, final: Path, info: dict[str, Any]) -> None:
         super().__init__(str(tmp), thread_count=WRITE_THREADS)
         self.tmp, self.final, self.info = tmp, final, info
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        """Write this rank's files, then checksum them here: rank 0's finish reads no other rank's files."""
+        written = super().write_data(plan, planner)
+        results = written.wait()
+        rank = self.rank if self.rank is not None else int(plan.storage_data.prefix.strip("_"))  # "__R_"
+        names = sorted({r.storage_data.relative_path for r in results})
+        record_own(self.tmp, [self.tmp / name for name in names], rank, "dcp")
+        return written
 
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)

@@ -176,12 +176,56 @@ def _synced_file_info(path: Path) -> dict[str, int | str]:
     return {"size": path.stat().st_size, **_checksums(path, ("xxh3_64",) if xxhash else ("crc32",))}
 
 
+SUMS_DIR = ".sums"  # under a checkpoint being written: each rank's checksums of the files it wrote
+
+
+def record_own(tmp: Path, paths: list[Path], rank: int, tag: str) -> None:
+    """Checksum files this rank wrote (fsync'd, read back here, on the node that wrote them) and leave the results
+    for `finalize` in tmp/.sums/TAG-rankR.json, so rank 0 never reads another rank's (another node's) files.
+    Written under a temporary name and renamed: finalize sees a whole record or none."""
+    if not paths:
+        return
+    with ThreadPoolExecutor(max_workers=min(CRC_THREADS, os.cpu_count() or 1, len(paths))) as pool:
+        infos = list(pool.map(_synced_file_info, paths))
+    record = {str(p.relative_to(tmp)): {**info, "by": rank} for p, info in zip(paths, infos, strict=True)}
+    sums = tmp / SUMS_DIR
+    sums.mkdir(exist_ok=True)
+    part = sums / f".{tag}-rank{rank}.json.part"
+    part.write_text(json.dumps(record))
+    with part.open("rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(part, sums / f"{tag}-rank{rank}.json")
+
+
+def _recorded(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Every rank's records (record_own), by file."""
+    out: dict[str, dict[str, Any]] = {}
+    for record in sorted((tmp / SUMS_DIR).glob("*.json")):
+        out.update(json.loads(record.read_text()))
+    return out
+
+
 def finalize(tmp: Path, final: Path, info: dict[str, Any]) -> None:
-    """Rank 0, after every rank has written: manifest last, then one atomic rename into place."""
+    """Rank 0, after every rank has written: manifest last, then one atomic rename into place.
+
+    A file that its rank checksummed (record_own) is taken from that record when its size still matches; rank 0
+    reads only the rest (its own files, and any a rank did not record)."""
+    recorded = _recorded(tmp)
+    shutil.rmtree(tmp / SUMS_DIR, ignore_errors=True)
     paths = sorted(p for p in tmp.rglob("*") if p.is_file())
+    files: dict[str, dict[str, Any]] = {}
+    todo = []
+    for f in paths:
+        rel = str(f.relative_to(tmp))
+        entry = recorded.get(rel)
+        if entry is not None and entry["size"] == f.stat().st_size:
+            files[rel] = entry
+        else:
+            todo.append(f)
     with ThreadPoolExecutor(max_workers=min(CRC_THREADS, os.cpu_count() or 1)) as pool:
-        files = dict(zip((str(f.relative_to(tmp)) for f in paths), pool.map(_synced_file_info, paths), strict=True))
-    manifest = {"version": VERSION, **info, "files": files, "created": time.time()}
+        files.update(zip((str(f.relative_to(tmp)) for f in todo),
+                         ({**i, "by": 0} for i in pool.map(_synced_file_info, todo)), strict=True))
+    manifest = {"version": VERSION, **info, "files": dict(sorted(files.items())), "created": time.time()}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     fsync_dir(tmp)
     if final.exists():  # the same step written again (e.g. a resumed run with nothing left to do)

@@ -18,7 +18,7 @@ import torch
 
 from shardtune import stop as signals
 from shardtune.assemble import BuiltModel, assemble
-from shardtune.checkpoint.checkpointer import Checkpointer
+from shardtune.checkpoint.checkpointer import Checkpointer, check_shared_root
 from shardtune.checkpoint.formats import make_format
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_model
 from shardtune.checkpoint.layout import VERIFIED_ENV, checkpoint_root, read_trainer_state, resolve_checkpoint
@@ -105,6 +105,9 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     ctx = ctx or init_distributed()
     if ctx.is_main:  # a no-op under `shardtune train`, whose launcher holds it; torchrun started us directly
         lock_run_dir(Path(cfg.train.output_dir))
+    # Several nodes: one checkpoint folder for all, checked before the model is built.
+    check_shared_root(checkpoint_root(cfg.checkpoint, cfg.train.output_dir), ctx,
+                      int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world)))
     run = set_up(cfg, ctx)
     run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state, run.total_steps)
     start = time.perf_counter()
