@@ -9,7 +9,8 @@ of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp). For each
 variant rank 0 records the loss
 trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
 difference between the trained (sharded) model and the Hugging Face directory it exported,
-reloaded with transformers. Results go to OUT_DIR/results.json. One launch for many variants:
+reloaded with transformers, and the run's communication accounting (summary.json's `comm`) with the
+model's element counts. Results go to OUT_DIR/results.json. One launch for many variants:
 start-up costs ~3 s per launch on CPU.
 """
 
@@ -133,6 +134,22 @@ def adapter_logit_diff(backend, adapter_dir: str, rank: int) -> float | None:
         return float((trained - loaded(input_ids=ids).logits).abs().max())
 
 
+def model_numel(module: torch.nn.Module) -> dict[str, object]:
+    """Whole-model element counts (DTensors count their global shape): all parameters, and each decoder block's."""
+    layers = next(m for name, m in module.named_modules() if name.endswith("layers"))
+    return {"params": sum(p.numel() for p in module.parameters()),
+            "blocks": [sum(p.numel() for p in block.parameters()) for block in layers]}
+
+
+def logged_comm(output_dir: str) -> dict[str, float]:
+    """The comm_* fields of metrics.jsonl's last training record (rank 0 writes it; {} elsewhere)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    train = [r for r in map(json.loads, path.read_text().splitlines()) if not r.get("eval")]
+    return {k: v for k, v in train[-1].items() if k.startswith("comm_")} if train else {}
+
+
 def main() -> None:
     out, accum, variants = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     ctx = init_distributed()
@@ -150,7 +167,8 @@ def main() -> None:
         summary, backend = result.summary, result.backend
         results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
                             "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module),
-                            "dtypes": param_dtypes(backend.module)}
+                            "dtypes": param_dtypes(backend.module), "comm": summary["comm"],
+                            "numel": model_numel(backend.module), "comm_logged": logged_comm(summary["output_dir"])}
         if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
             from safetensors.torch import load_file
 

@@ -30,6 +30,7 @@ from shardtune.data.pipeline import DataBundle, build_data
 from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
 from shardtune.fileio import jsonable
+from shardtune.metrics import comm
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
 from shardtune.metrics.logger import MetricsLogger, log_rank0
 from shardtune.models.build import load_hf_config, write_config
@@ -57,6 +58,8 @@ class RunState:
     bad_in_row: int = 0  # ... of them in a row, up to this step
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))  # rank 0's step losses
     in_spike: bool = False
+    comm: dict[str, dict[str, float]] = field(default_factory=dict)  # rank 0's collectives over the counted steps
+    comm_steps: int = 0
 
 
 @dataclass
@@ -96,7 +99,8 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
     signals.install()  # SIGTERM/SIGINT: finish the step, save, stop; SIGUSR1: save and go on
     try:
-        return _run(cfg, ctx, overwrite)
+        with comm.counting(comm.CommCounter()):
+            return _run(cfg, ctx, overwrite)
     finally:
         signals.uninstall()
 
@@ -266,6 +270,9 @@ def _print_start(run: Run) -> None:
 def _train_step(run: Run, step: int, interval: _Interval) -> None:
     """One optimizer step (all its micro-batches), then the checkpoint and the log record it is due."""
     backend, ctx, state = run.backend, run.ctx, run.state
+    counter = comm.current()
+    if counter is not None:
+        counter.take()  # what ran since the last step (eval, checkpoint saves) is not this step's traffic
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
     _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
     normalizer = global_target_tokens(micro, ctx.device)
@@ -286,6 +293,11 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     if not skipped:
         _watch_spikes(run, step_loss)
     request = signals.agree(ctx.device)  # every rank stops (or saves) after the same step
+    if counter is not None:
+        step_comm = counter.take()
+        comm.merge(interval.comm, step_comm)
+        comm.merge(state.comm, step_comm)
+        state.comm_steps += 1
     if request.stop:
         state.stopped_by, run.stop = request.stop, state.step
     asked = (request.stop or request.save) and state.step != run.ckpt.last_saved_step
@@ -389,10 +401,23 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
         from shardtune.plan import compare
 
         summary["plan"] = compare(run.predicted, run.state.history)
+    summary["comm"] = comm_summary(run)
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.logger.print(_done_line(run, train_seconds))
     return TrainResult(summary, run.backend)
+
+
+def comm_summary(run: Run) -> dict[str, Any]:
+    """summary.json's `comm`: rank 0's bus bytes and calls per training step by collective (evals and checkpoint
+    saves excluded), with the planner's prediction of the same bytes."""
+    n = max(run.state.comm_steps, 1)
+    predicted = (run.predicted or {}).get("chosen", {}).get("comm_bytes_per_step")
+    return {"steps": run.state.comm_steps,
+            "bus_bytes_per_step": {k: t["bus_bytes"] / n for k, t in sorted(run.state.comm.items())},
+            "bytes_per_step": {k: t["bytes"] / n for k, t in sorted(run.state.comm.items())},
+            "calls_per_step": {k: t["calls"] / n for k, t in sorted(run.state.comm.items())},
+            "predicted_bus_bytes_per_step": predicted}
 
 
 def write_hf_dir(path: Path, built: BuiltModel, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
@@ -469,6 +494,7 @@ class _Interval:
         self.skipped = 0
         self.tokens = 0
         self.checkpoint_s = 0.0  # time the loop was blocked by checkpoint saves in this interval
+        self.comm: dict[str, dict[str, float]] = {}  # this rank's collectives in the interval, by kind
         self.t0 = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, tokens: int, skipped: bool = False) -> None:
@@ -496,6 +522,8 @@ class _Interval:
         }
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
+        record.update(comm.per_step(self.comm, self.steps))
+        self.comm = {}
         self.loss_sum.zero_()
         self.steps, self.skipped, self.tokens, self.checkpoint_s, self.t0 = 0, 0, 0, 0.0, time.perf_counter()
         return record
