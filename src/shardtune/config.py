@@ -219,6 +219,8 @@ class LogConfig(_Section):
     every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
     progress: bool = Field(True, description="Rich progress bar on rank 0.")
     jsonl: bool = Field(True, description="Write OUTPUT_DIR/metrics.jsonl.")
+    report: bool = Field(True, description="Write OUTPUT_DIR/report/ (HTML + PNG plots, `shardtune report`) at "
+                                           "the end of the run; needs matplotlib.")
 
 
 class Config(_Section):

@@ -404,8 +404,22 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
     summary["comm"] = comm_summary(run)
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_run_report(run)
         run.logger.print(_done_line(run, train_seconds))
     return TrainResult(summary, run.backend)
+
+
+def write_run_report(run: Run) -> None:
+    """OUTPUT_DIR/report (log.report): plots of what the run logged. A run that trained is never failed by its
+    report: without matplotlib, or on any error drawing it, one line says so and training's result stands."""
+    if not (run.cfg.log.report and run.cfg.log.jsonl):
+        return
+    from shardtune.report import REPORT_DIR, write_report
+
+    try:
+        write_report([run.out], run.out / REPORT_DIR)
+    except Exception as err:  # the run's own files are written; a plot must not turn success into failure
+        run.logger.print(f"report: not written ({err}); `shardtune report {run.out}` draws it later")
 
 
 def comm_summary(run: Run) -> dict[str, Any]:
