@@ -71,6 +71,18 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Each rank's `values`, in rank order, on every rank (one collective)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [t.tolist()]
+    world = dist.get_world_size()
+    out = torch.empty(world * len(values), dtype=torch.float64, device=device)  # flat: gloo wants 1-D pieces
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name from 2.13
+    gather(out, t)
+    return out.view(world, len(values)).tolist()
+
+
 def clean_exit(code: int) -> NoReturn:
     """End a worker without the gloo abort at interpreter shutdown (pytorch/pytorch#179291).
 

@@ -57,7 +57,7 @@ def test_counted_bytes_agree_with_the_planner_and_reach_metrics_jsonl(two, strat
     assert predicted, "plan.json gave no prediction"
     for kind, nbytes in predicted.items():
         assert measured[kind] == pytest.approx(nbytes, abs=BOOKKEEPING)
-    logged = two[strategy]["comm_logged"]  # metrics.jsonl's last record: bytes per step over its interval
+    logged = two[strategy]["logged"]  # metrics.jsonl's last record: bytes per step over its interval
     for kind, nbytes in measured.items():
         assert logged[f"comm_{kind}_bytes"] == pytest.approx(nbytes, abs=BOOKKEEPING)
         assert logged[f"comm_{kind}_calls"] > 0

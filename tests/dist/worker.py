@@ -141,13 +141,15 @@ def model_numel(module: torch.nn.Module) -> dict[str, object]:
             "blocks": [sum(p.numel() for p in block.parameters()) for block in layers]}
 
 
-def logged_comm(output_dir: str) -> dict[str, float]:
-    """The comm_* fields of metrics.jsonl's last training record (rank 0 writes it; {} elsewhere)."""
+def logged_fields(output_dir: str) -> dict[str, object]:
+    """The monitors' fields (comm_*, per-rank memory, system samples) of metrics.jsonl's last training record
+    (rank 0 writes it; {} elsewhere)."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
         return {}
     train = [r for r in map(json.loads, path.read_text().splitlines()) if not r.get("eval")]
-    return {k: v for k, v in train[-1].items() if k.startswith("comm_")} if train else {}
+    monitors = ("comm_", "peak_", "rss_", "gpu_")
+    return {k: v for k, v in train[-1].items() if k.startswith(monitors)} if train else {}
 
 
 def main() -> None:
@@ -164,13 +166,15 @@ def main() -> None:
         # The plain strategies write OUTPUT_DIR/report as `train` does by default (tests/dist/test_report.py reads
         # them); the other variants skip its ~1 s of plotting.
         overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}", f"log.report={not opts}",
+                     # zero3 also traces steps 2-3 with torch.profiler (tests/dist/test_monitors.py)
+                     *(["log.profile={start: 2, steps: 2}"] if variant == "zero3" else []),
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
         result = run_training(config_from_dict(BASE, overrides), ctx)
         summary, backend = result.summary, result.backend
         results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
                             "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module),
                             "dtypes": param_dtypes(backend.module), "comm": summary["comm"],
-                            "numel": model_numel(backend.module), "comm_logged": logged_comm(summary["output_dir"]),
+                            "numel": model_numel(backend.module), "logged": logged_fields(summary["output_dir"]),
                             "output_dir": summary["output_dir"]}
         if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
             from safetensors.torch import load_file

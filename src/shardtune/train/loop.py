@@ -27,12 +27,14 @@ from shardtune.checkpoint.runlock import lock_run_dir
 from shardtune.config import Config, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
-from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
+from shardtune.dist import DistContext, all_gather_floats, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
 from shardtune.fileio import jsonable
 from shardtune.metrics import comm
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
 from shardtune.metrics.logger import MetricsLogger, log_rank0
+from shardtune.metrics.profile import StepProfiler
+from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend
@@ -91,6 +93,8 @@ class Run:
     state: RunState
     flops_per_token: float
     peak_flops: float | None
+    profiler: StepProfiler | None = None  # log.profile
+    system: SystemSampler | None = None  # log.system, rank 0
 
 
 def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool = False) -> TrainResult:
@@ -114,7 +118,7 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     start = time.perf_counter()
     if not run.resume:
         run_eval(0)
-    interval = _Interval(run.ctx.device)
+    interval = _Interval(run.ctx.device, run.system)
     with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
             _train_step(run, step, interval)
@@ -124,6 +128,8 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
                     and run.state.step != run.total_steps:
                 run_eval(run.state.step)
         run.ckpt.close()
+    if run.profiler is not None:
+        run.profiler.close()  # a run that stopped inside the profiled steps still writes its trace
     if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
         run.logger.close()
         saved = run.ckpt.root / f"step-{run.state.step:08d}"  # written whatever the checkpoint settings
@@ -186,6 +192,10 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
               state=RunState(step=sampler.position, skipped=skipped if resume else 0),
               flops_per_token=_flops_per_token(built, hf_config, t.seq_len),
               peak_flops=peak)
+    if cfg.log.profile is not None:
+        run.profiler = StepProfiler(cfg.log.profile.start, cfg.log.profile.steps, out, ctx.rank, ctx.device)
+    if cfg.log.system and ctx.is_main:
+        run.system = SystemSampler().start()
     _print_start(run)
     return run
 
@@ -273,6 +283,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     counter = comm.current()
     if counter is not None:
         counter.take()  # what ran since the last step (eval, checkpoint saves) is not this step's traffic
+    if run.profiler is not None:
+        run.profiler.before(step + 1)
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
     _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
     normalizer = global_target_tokens(micro, ctx.device)
@@ -313,6 +325,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         record.update(run.ckpt.pop_timings())
         state.history.append(record)
         run.logger.log(record)
+    if run.profiler is not None:
+        run.profiler.after(state.step)
 
 
 def _count_bad_step(run: Run, skipped: bool) -> bool:
@@ -386,6 +400,8 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
     closing line."""
     cfg, ctx, out = run.cfg, run.ctx, run.out
     run.logger.close()
+    if run.system is not None:
+        run.system.close()
     if cfg.checkpoint.save_final and finished:
         check_finite_weights(run, "model" if not run.built.adapters else "adapter")
     if cfg.checkpoint.save_final and finished and run.built.adapters:
@@ -501,8 +517,9 @@ def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tens
 class _Interval:
     """Loss and token counts between two logged steps; one collective per log, not per step."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sampler: SystemSampler | None = None) -> None:
         self.device = device
+        self.sampler = sampler
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.skipped = 0
@@ -525,7 +542,8 @@ class _Interval:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self.t0
-        mem = all_reduce_max(_peak_memory_gib(self.device), self.device)
+        ranks = all_gather_floats(_peak_memory_gib(self.device), self.device)  # [allocated, reserved] per rank
+        mem = [max(r[0] for r in ranks), max(r[1] for r in ranks)]
         tps = tokens / seconds
         record = {
             "step": step, "loss": loss_sum / (self.steps - self.skipped) if self.steps > self.skipped else math.nan,
@@ -533,7 +551,10 @@ class _Interval:
             "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / ctx.world,
             "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
             "step_time_s": seconds / self.steps,
+            "peak_mem_gib_ranks": [r[0] for r in ranks], "peak_reserved_gib_ranks": [r[1] for r in ranks],
         }
+        if self.sampler is not None:
+            record.update(self.sampler.take())
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
         record.update(comm.per_step(self.comm, self.steps))
