@@ -1,4 +1,4 @@
-"""`shardtune` command line: train | validate | plan | init-model | export | calibrate.
+"""`shardtune` command line: train | validate | plan | init-model | export | calibrate | report.
 
 Bad input exits with code 2 and one line saying what is wrong and how to fix it.
 """
@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu", default=None, help="the table's GPU type to start from when the local GPU's name is "
                                                "not in it")
     c.set_defaults(func=cmd_calibrate)
+
+    r = sub.add_parser("report", help="an HTML page with plots (loss, throughput, memory, communication, "
+                                      "checkpoints) of one or more runs, overlaid")
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output dirs of shardtune runs")
+    r.add_argument("--out", default=None, metavar="DIR", help="where to write report.html and its PNGs "
+                                                              "(default: the first RUN_DIR's report/)")
+    r.set_defaults(func=cmd_report)
     return p
 
 
@@ -554,6 +561,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from shardtune.plan.calibrate import calibrate_command
 
     return calibrate_command(args.out, args.quick, args.gpu)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from shardtune.report import REPORT_DIR, write_report
+
+    dirs = [Path(d) for d in args.run_dirs]
+    page = write_report(dirs, Path(args.out) if args.out else dirs[0] / REPORT_DIR)
+    print(f"wrote {page}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

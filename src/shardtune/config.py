@@ -220,10 +220,21 @@ class CheckpointConfig(_Section):
         return v
 
 
+class ProfileConfig(_Section):
+    start: int = Field(ge=1, description="First optimizer step to profile (1-based, as metrics.jsonl counts).")
+    steps: int = Field(1, ge=1, description="Number of steps to profile.")
+
+
 class LogConfig(_Section):
     every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
     progress: bool = Field(True, description="Rich progress bar on rank 0.")
     jsonl: bool = Field(True, description="Write OUTPUT_DIR/metrics.jsonl.")
+    system: bool = Field(True, description="Sample GPU utilisation, memory, power and temperature (NVML) or, "
+                                           "without NVML, the process's resident set, into metrics.jsonl.")
+    profile: ProfileConfig | None = Field(None, description="{start: S, steps: K}: torch.profiler trace of steps "
+                                                            "S..S+K-1 per rank, OUTPUT_DIR/profile/rankR.json.")
+    report: bool = Field(True, description="Write OUTPUT_DIR/report/ (HTML + PNG plots, `shardtune report`) at "
+                                           "the end of the run; needs matplotlib.")
 
 
 class Config(_Section):

@@ -64,13 +64,6 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 # What a collective says when a process of another node died (gloo, NCCL, the TCP store); matched in the error and
 # the errors it was raised from.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
@@ -92,6 +85,16 @@ def lost_peer(err: BaseException) -> str | None:
                 return line.strip()[:300]
         todo += [e.__cause__, e.__context__]
     return None
+def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Each rank's `values`, in rank order, on every rank (one collective)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [t.tolist()]
+    world = dist.get_world_size()
+    out = torch.empty(world * len(values), dtype=torch.float64, device=device)  # flat: gloo wants 1-D pieces
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name from 2.13
+    gather(out, t)
+    return out.view(world, len(values)).tolist()
 
 
 def clean_exit(code: int) -> NoReturn:

@@ -122,3 +122,16 @@ def test_fp16_on_cpu_is_refused_in_one_line(tmp_path):
     assert run.returncode == 2, run.stderr[-2000:]
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "DeepSpeed has no fp16 on CPU" in lines[0] and "Traceback" not in run.stderr
+
+
+def test_deepspeed_collectives_are_counted(results):
+    # The same accounting as FSDP2 (tests/dist/test_comm.py), through deepspeed.comm. 2 ranks, grad_accum 2, fp32.
+    two = results[1]
+    params = two["ddp:ds"]["numel"]["params"] * 4  # bytes (ZeRO-3 partitions leave numel 0, stage 0 does not)
+    ddp = two["ddp:ds"]["comm"]["bus_bytes_per_step"]
+    assert 0 <= ddp["all_reduce"] - 2 * params / 2 < 64  # every gradient once per step, + bookkeeping scalars
+    z3 = two["zero3:ds"]["comm"]
+    assert z3["bus_bytes_per_step"]["reduce_scatter"] == params / 2 * 2  # fp32 gradients, each micro-batch
+    # Parameters under stage3_param_persistence_threshold stay whole on every rank: gathered less than the
+    # planner's every-parameter-twice-per-micro-batch.
+    assert 0 < z3["bus_bytes_per_step"]["all_gather"] <= z3["predicted_bus_bytes_per_step"]["all_gather"]

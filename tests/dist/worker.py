@@ -9,7 +9,8 @@ of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp). For each
 variant rank 0 records the loss
 trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
 difference between the trained (sharded) model and the Hugging Face directory it exported,
-reloaded with transformers. Results go to OUT_DIR/results.json. One launch for many variants:
+reloaded with transformers, and the run's communication accounting (summary.json's `comm`) with the
+model's element counts. Results go to OUT_DIR/results.json. One launch for many variants:
 start-up costs ~3 s per launch on CPU.
 """
 
@@ -35,7 +36,7 @@ BASE = {
     "train": {"precision": "fp32", "lr": 1e-3, "max_steps": 6, "micro_batch_size": 4, "seq_len": 24,
               "eval_batches": 2},
     "optim": {"warmup_steps": 2, "weight_decay": 0.01},
-    "log": {"every": 1, "progress": False},
+    "log": {"every": 1, "progress": False, "report": False},
 }
 OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
@@ -133,6 +134,24 @@ def adapter_logit_diff(backend, adapter_dir: str, rank: int) -> float | None:
         return float((trained - loaded(input_ids=ids).logits).abs().max())
 
 
+def model_numel(module: torch.nn.Module) -> dict[str, object]:
+    """Whole-model element counts (DTensors count their global shape): all parameters, and each decoder block's."""
+    layers = next(m for name, m in module.named_modules() if name.endswith("layers"))
+    return {"params": sum(p.numel() for p in module.parameters()),
+            "blocks": [sum(p.numel() for p in block.parameters()) for block in layers]}
+
+
+def logged_fields(output_dir: str) -> dict[str, object]:
+    """The monitors' fields (comm_*, per-rank memory, system samples) of metrics.jsonl's last training record
+    (rank 0 writes it; {} elsewhere)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    train = [r for r in map(json.loads, path.read_text().splitlines()) if not r.get("eval")]
+    monitors = ("comm_", "peak_", "rss_", "gpu_")
+    return {k: v for k, v in train[-1].items() if k.startswith(monitors)} if train else {}
+
+
 def main() -> None:
     out, accum, variants = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     ctx = init_distributed()
@@ -144,13 +163,19 @@ def main() -> None:
         strategy, *opts = variant.split(":")
         extra = " ".join(OPTIONS[o] for o in opts).format(model_dir=os.environ.get("SHARDTUNE_TEST_MODEL_DIR"),
                                                           nvme_dir=nvme_dir)
-        overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}",
+        # The plain strategies write OUTPUT_DIR/report as `train` does by default (tests/dist/test_report.py reads
+        # them); the other variants skip its ~1 s of plotting.
+        overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}", f"log.report={not opts}",
+                     # zero3 also traces steps 2-3 with torch.profiler (tests/dist/test_monitors.py)
+                     *(["log.profile={start: 2, steps: 2}"] if variant == "zero3" else []),
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
         result = run_training(config_from_dict(BASE, overrides), ctx)
         summary, backend = result.summary, result.backend
         results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
                             "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module),
-                            "dtypes": param_dtypes(backend.module)}
+                            "dtypes": param_dtypes(backend.module), "comm": summary["comm"],
+                            "numel": model_numel(backend.module), "logged": logged_fields(summary["output_dir"]),
+                            "output_dir": summary["output_dir"]}
         if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
             from safetensors.torch import load_file
 

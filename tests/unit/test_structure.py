@@ -16,7 +16,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"validate"},
     {"train"},
-    {"plan"},
+    {"plan", "report"},  # report: reads a run's files and plots them; train writes one at the end
     {"checkpoint"},
     {"parallel"},
     {"assemble"},

@@ -91,6 +91,13 @@ class FSDP2Backend:
         # Every rank loaded the same weights already; DDP's start-up broadcast would only cost time,
         # and it corrupts NF4 (QLoRA) parameters, whose data is not one flat tensor.
         self.model = DistributedDataParallel(model, device_ids=ids, init_sync=False)
+        if self.ctx.world > 1:
+            # The same all-reduce as DDP's built-in one (divide by the world, sum), issued through
+            # torch.distributed's Python entry point, where the run's communication accounting counts it
+            # (metrics/comm.py); DDP's own reducer calls the process group from C++, out of its sight.
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            self.model.register_comm_hook(None, allreduce_hook)
 
     def _setup_fsdp(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None) -> None:
         mesh = self._mesh()

@@ -97,7 +97,9 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
     """Bytes each GPU puts on the bus per optimizer step, by collective (ring algorithms: an all-gather or
     reduce-scatter of B bytes over n ranks moves B(n-1)/n per rank, an all-reduce twice that).
 
-    zero3 / hsdp gather the parameters twice per micro-batch (forward and backward), zero2 once; every
+    zero3 / hsdp gather the parameters twice per micro-batch (forward and backward) except the last decoder
+    block, which parallel/fsdp2.py keeps gathered from forward to backward (communication accounting counts
+    exactly this on 2 CPU processes, tests/dist/test_comm.py); zero2 gathers everything once; every
     sharded strategy reduce-scatters fp32 gradients per micro-batch (FSDP2 syncs each one); DDP all-reduces
     once per step. hsdp adds an all-reduce of the sharded gradients across its replica groups. DeepSpeed
     stage 1-2 all-reduce / reduce-scatter the gradients and all-gather the updated parameters once a step.
@@ -123,8 +125,8 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
     if s.strategy == "ddp":
         return {"all_reduce": 2 * trainable * 4.0 * (w - 1) / w}
     n = s.param_shards()
-    gathers = 1 if s.strategy == "zero2" else 2
-    out["all_gather"] = gathers * frozen_param_bytes * (n - 1) / n * s.grad_accum
+    regathered = 0.0 if s.strategy == "zero2" else (m.params - m.block_params) / m.params
+    out["all_gather"] = (1 + regathered) * frozen_param_bytes * (n - 1) / n * s.grad_accum
     out["reduce_scatter"] = trainable * 4.0 * (n - 1) / n * s.grad_accum
     replicas = w // n
     if replicas > 1:

@@ -27,11 +27,14 @@ from shardtune.checkpoint.runlock import lock_run_dir
 from shardtune.config import Config, TrainConfig, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data
-from shardtune.dist import DistContext, all_reduce_max, all_reduce_sum, init_distributed
+from shardtune.dist import DistContext, all_gather_floats, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
 from shardtune.fileio import jsonable
+from shardtune.metrics import comm
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
 from shardtune.metrics.logger import MetricsLogger, log_rank0
+from shardtune.metrics.profile import StepProfiler
+from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend
@@ -57,6 +60,8 @@ class RunState:
     bad_in_row: int = 0  # ... of them in a row, up to this step
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))  # rank 0's step losses
     in_spike: bool = False
+    comm: dict[str, dict[str, float]] = field(default_factory=dict)  # rank 0's collectives over the counted steps
+    comm_steps: int = 0
 
 
 @dataclass
@@ -88,6 +93,8 @@ class Run:
     state: RunState
     flops_per_token: float
     peak_flops: float | None
+    profiler: StepProfiler | None = None  # log.profile
+    system: SystemSampler | None = None  # log.system, rank 0
 
 
 def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool = False) -> TrainResult:
@@ -96,7 +103,8 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
     signals.install()  # SIGTERM/SIGINT: finish the step, save, stop; SIGUSR1: save and go on
     try:
-        return _run(cfg, ctx, overwrite)
+        with comm.counting(comm.CommCounter()):
+            return _run(cfg, ctx, overwrite)
     finally:
         signals.uninstall()
 
@@ -113,7 +121,7 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     start = time.perf_counter()
     if not run.resume:
         run_eval(0)
-    interval = _Interval(run.ctx.device)
+    interval = _Interval(run.ctx.device, run.system)
     with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
             _train_step(run, step, interval)
@@ -123,6 +131,8 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
                     and run.state.step != run.total_steps:
                 interval.eval_s += _timed(run_eval, run.state.step, device=run.ctx.device)
         run.ckpt.close()
+    if run.profiler is not None:
+        run.profiler.close()  # a run that stopped inside the profiled steps still writes its trace
     if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
         run.logger.close()
         saved = run.ckpt.root / f"step-{run.state.step:08d}"  # written whatever the checkpoint settings
@@ -186,6 +196,10 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
               state=RunState(step=sampler.position, skipped=skipped if resume else 0),
               flops_per_token=_flops_per_token(built, hf_config, t.seq_len),
               peak_flops=peak)
+    if cfg.log.profile is not None:
+        run.profiler = StepProfiler(cfg.log.profile.start, cfg.log.profile.steps, out, ctx.rank, ctx.device)
+    if cfg.log.system and ctx.is_main:
+        run.system = SystemSampler().start()
     _print_start(run)
     return run
 
@@ -291,6 +305,11 @@ def _print_start(run: Run) -> None:
 def _train_step(run: Run, step: int, interval: _Interval) -> None:
     """One optimizer step (all its micro-batches), then the checkpoint and the log record it is due."""
     backend, ctx, state = run.backend, run.ctx, run.state
+    counter = comm.current()
+    if counter is not None:
+        counter.take()  # what ran since the last step (eval, checkpoint saves) is not this step's traffic
+    if run.profiler is not None:
+        run.profiler.before(step + 1)
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
     _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
     normalizer = global_target_tokens(micro, ctx.device)
@@ -311,6 +330,11 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     if not skipped:
         _watch_spikes(run, step_loss)
     request = signals.agree(ctx.device)  # every rank stops (or saves) after the same step
+    if counter is not None:
+        step_comm = counter.take()
+        comm.merge(interval.comm, step_comm)
+        comm.merge(state.comm, step_comm)
+        state.comm_steps += 1
     if request.stop:
         state.stopped_by, run.stop = request.stop, state.step
     asked = (request.stop or request.save) and state.step != run.ckpt.last_saved_step
@@ -326,6 +350,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         record.update(run.ckpt.pop_timings())
         state.history.append(record)
         run.logger.log(record)
+    if run.profiler is not None:
+        run.profiler.after(state.step)
 
 
 def _count_bad_step(run: Run, skipped: bool) -> bool:
@@ -399,6 +425,8 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
     closing line."""
     cfg, ctx, out = run.cfg, run.ctx, run.out
     run.logger.close()
+    if run.system is not None:
+        run.system.close()
     if cfg.checkpoint.save_final and finished:
         check_finite_weights(run, "model" if not run.built.adapters else "adapter")
     if cfg.checkpoint.save_final and finished and run.built.adapters:
@@ -415,8 +443,10 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
         from shardtune.plan import compare
 
         summary["plan"] = compare(run.predicted, run.state.history)
+    summary["comm"] = comm_summary(run)
     if ctx.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_run_report(run)
         run.logger.print(_done_line(run, train_seconds))
         if summary["throughput"]:
             run.logger.print(throughput_line(summary["throughput"], run.ctx.device.type))
@@ -450,6 +480,29 @@ def throughput_line(t: dict[str, Any], device_type: str) -> str:
     return (f"throughput: {t['tokens_per_sec']:,.0f} tokens/s ({t['tokens_per_sec_per_device']:,.0f} per device, "
             f"{t['tokens_per_sec_min']:,.0f}-{t['tokens_per_sec_max']:,.0f}){mfu}, {memory}; median of "
             f"{t['intervals']} logged intervals from step {t['from_step']}, without evaluation and checkpoint time")
+def write_run_report(run: Run) -> None:
+    """OUTPUT_DIR/report (log.report): plots of what the run logged. A run that trained is never failed by its
+    report: without matplotlib, or on any error drawing it, one line says so and training's result stands."""
+    if not (run.cfg.log.report and run.cfg.log.jsonl):
+        return
+    from shardtune.report import REPORT_DIR, write_report
+
+    try:
+        write_report([run.out], run.out / REPORT_DIR)
+    except Exception as err:  # the run's own files are written; a plot must not turn success into failure
+        run.logger.print(f"report: not written ({err}); `shardtune report {run.out}` draws it later")
+
+
+def comm_summary(run: Run) -> dict[str, Any]:
+    """summary.json's `comm`: rank 0's bus bytes and calls per training step by collective (evals and checkpoint
+    saves excluded), with the planner's prediction of the same bytes."""
+    n = max(run.state.comm_steps, 1)
+    predicted = (run.predicted or {}).get("chosen", {}).get("comm_bytes_per_step")
+    return {"steps": run.state.comm_steps,
+            "bus_bytes_per_step": {k: t["bus_bytes"] / n for k, t in sorted(run.state.comm.items())},
+            "bytes_per_step": {k: t["bytes"] / n for k, t in sorted(run.state.comm.items())},
+            "calls_per_step": {k: t["calls"] / n for k, t in sorted(run.state.comm.items())},
+            "predicted_bus_bytes_per_step": predicted}
 
 
 def write_hf_dir(path: Path, built: BuiltModel, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
@@ -531,14 +584,16 @@ class _Interval:
     MFU and step time count training time only: the evaluation and checkpoint time inside the interval is
     taken out (and logged as eval_s / checkpoint_s), so a step that ran an evaluation is not reported slow."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sampler: SystemSampler | None = None) -> None:
         self.device = device
+        self.sampler = sampler
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.skipped = 0
         self.tokens = 0
         self.checkpoint_s = 0.0  # time the loop was blocked by checkpoint saves in this interval
         self.eval_s = 0.0  # time spent evaluating in this interval
+        self.comm: dict[str, dict[str, float]] = {}  # this rank's collectives in the interval, by kind
         self.t0 = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, tokens: int, skipped: bool = False) -> None:
@@ -555,7 +610,8 @@ class _Interval:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = max(time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s, 1e-9)
-        mem = all_reduce_max(_peak_memory_gib(self.device), self.device)
+        ranks = all_gather_floats(_peak_memory_gib(self.device), self.device)  # [allocated, reserved] per rank
+        mem = [max(r[0] for r in ranks), max(r[1] for r in ranks)]
         tps = tokens / seconds
         record = {
             "step": step, "loss": loss_sum / (self.steps - self.skipped) if self.steps > self.skipped else math.nan,
@@ -563,11 +619,16 @@ class _Interval:
             "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / ctx.world,
             "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
             "step_time_s": seconds / self.steps,
+            "peak_mem_gib_ranks": [r[0] for r in ranks], "peak_reserved_gib_ranks": [r[1] for r in ranks],
         }
+        if self.sampler is not None:
+            record.update(self.sampler.take())
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
         if self.eval_s:
             record["eval_s"] = self.eval_s
+        record.update(comm.per_step(self.comm, self.steps))
+        self.comm = {}
         self.loss_sum.zero_()
         self.steps, self.skipped, self.tokens = 0, 0, 0
         self.checkpoint_s, self.eval_s, self.t0 = 0.0, 0.0, time.perf_counter()

@@ -1,0 +1,57 @@
+"""`log.profile: {start: S, steps: K}`: optimizer steps S..S+K-1 (1-based, as metrics.jsonl counts them) run
+under torch.profiler, and each rank writes a Chrome / Perfetto trace, OUTPUT_DIR/profile/rank{R}.json (open it
+in chrome://tracing or ui.perfetto.dev). CPU activity everywhere, CUDA kernels on GPUs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class StepProfiler:
+    def __init__(self, start: int, steps: int, out: Path, rank: int, device: torch.device) -> None:
+        self.first, self.last = start, start + steps - 1
+        self.path = out / "profile" / f"rank{rank}.json"
+        self.device = device
+        self.prof: Any = None
+        self.span: Any = None  # the current step's record_function
+
+    def before(self, step: int) -> None:
+        """Call before optimizer step `step` (1-based) starts."""
+        if not self.first <= step <= self.last:
+            return
+        if self.prof is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+        # One span per optimizer step, named as the trace viewers' own step markers are, with metrics.jsonl's step.
+        self.span = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self.span.__enter__()
+
+    def after(self, step: int) -> None:
+        """Call when optimizer step `step` has ended; the trace is written after the last profiled step."""
+        if self.prof is None:
+            return
+        if self.span is not None:
+            self.span.__exit__(None, None, None)
+            self.span = None
+        if step >= self.last:
+            self.close()
+
+    def close(self) -> Path | None:
+        """Stop and write the trace (also when the run ends before the last profiled step); None if nothing to
+        write."""
+        if self.prof is None:
+            return None
+        if self.span is not None:
+            self.span.__exit__(None, None, None)
+            self.span = None
+        prof, self.prof = self.prof, None
+        prof.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.path))
+        return self.path

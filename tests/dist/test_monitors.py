@@ -1,0 +1,36 @@
+"""The loop's monitors on 2 gloo processes (the session's FSDP2 launch, tests/conftest.py `fsdp2_runs`): each
+rank's peak memory in metrics.jsonl, the system sampler's record without NVML, and `log.profile`'s trace per
+rank (the zero3 variant traces steps 2-3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def two(fsdp2_runs):
+    return fsdp2_runs[1]
+
+
+def test_memory_per_rank_and_process_rss_are_logged(two):
+    logged = two["zero2"]["logged"]
+    allocated, reserved = logged["peak_mem_gib_ranks"], logged["peak_reserved_gib_ranks"]
+    assert len(allocated) == len(reserved) == 2 and min(allocated) > 0
+    assert logged["peak_mem_gib"] == max(allocated)  # the max over ranks, as before
+    assert logged["rss_gib"] > 0  # no NVML here: the process's resident set instead of GPU samples
+    assert not any(k.startswith("gpu_") for k in logged)
+
+
+def test_profile_writes_a_chrome_trace_per_rank_for_the_chosen_steps(two):
+    out = Path(two["zero3"]["output_dir"])
+    for rank in (0, 1):
+        trace = json.loads((out / "profile" / f"rank{rank}.json").read_text())
+        names = [e.get("name", "") for e in trace["traceEvents"]]
+        assert sum(n.startswith("ProfilerStep#") for n in names) == 2  # steps 2 and 3, one span each
+        assert any(n.startswith("aten::") for n in names)
+    assert not (Path(two["zero2"]["output_dir"]) / "profile").exists()  # off unless log.profile is set
