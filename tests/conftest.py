@@ -296,3 +296,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     with open(_CPU_LOG, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2),
                             "wall_s": round(time.perf_counter() - wall, 2)}) + "\n")
+
+
+# --- Parallel runs (pytest-xdist, `-n`) ----------------------------------------------------------------------------
+# With `--dist loadgroup` each group runs whole on one worker. One group per module keeps a module's fixtures (its
+# shared training runs) computed once; the modules that read the session's FSDP2 launches share one group, so that
+# launch runs once too.
+SHARED_SESSION_RUNS = ("fsdp2_runs",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        shared = [name for name in SHARED_SESSION_RUNS if name in getattr(item, "fixturenames", ())]
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.nodeid.split("::")[0]))
