@@ -154,7 +154,41 @@ def check_resume(cfg: Config, world: int, *, verify: bool = False) -> Path | Non
                               check=verify)
     if path is not None:
         check_resumable(path, cfg.parallel.backend, world)
+        check_model_fits(path, cfg)
     return path
+
+
+def check_model_fits(path: Path, cfg: Config) -> None:
+    """The checkpoint's model tensors must be this run's: same names (a saved tensor the model lacks: fewer
+    layers, full fine-tuning vs adapters) and same shapes (hidden size, vocabulary, LoRA rank). Checked from the
+    checkpoint's metadata and the model built on the meta device, so a changed config stops here with one line
+    instead of as a size-mismatch traceback from every worker. DCP checkpoints only: DeepSpeed's resume only on
+    the same processes and backend, which its own load checks."""
+    from shardtune.checkpoint.dcp_files import model_tensors
+    from shardtune.checkpoint.formats import stored_format
+    from shardtune.models.build import build_on_meta, load_hf_config
+
+    if stored_format(path) != "dcp":
+        return
+    saved = {name: tuple(meta.size) for name, meta in model_tensors(path).items()}
+    hf_config = load_hf_config(cfg.model)
+    model = build_on_meta(hf_config)
+    if cfg.peft.method in ("lora", "qlora"):
+        from shardtune.peft.lora import apply_lora
+
+        model = apply_lora(model, cfg.peft, hf_config.model_type)
+    current = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}  # tied too
+    current.update({name: tuple(b.shape) for name, b in model.named_buffers()})
+    fix = (f"resume with the model and peft settings it was trained with (its run's config.yaml), or start a new "
+           f"run without --resume (`shardtune export {path} DIR` makes a model folder of it)")
+    unknown = sorted(set(saved) - set(current))
+    if unknown:
+        raise ShardtuneError(f"checkpoint {path} holds {len(unknown)} tensor(s) this model does not have (e.g. "
+                             f"{unknown[0]}): it was trained with another model or peft setting; {fix}")
+    for name, shape in sorted(saved.items()):
+        if current[name] != shape:
+            raise ShardtuneError(f"checkpoint {path} does not fit this model: {name} is {list(shape)} there and "
+                                 f"{list(current[name])} here; {fix}")
 
 
 def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any = None) -> None:

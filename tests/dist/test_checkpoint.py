@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _env, descendants, run_cli
+from conftest import ROOT, _env, descendants, one_line_error, run_cli
 
 from shardtune.checkpoint.dcp_files import SafeReader, read_tensor
 from shardtune.checkpoint.layout import complete_checkpoints, is_complete, resolve_checkpoint, verify
@@ -153,6 +153,15 @@ def test_reshard_two_processes_to_one_and_back(tmp_path, stopped, reference, cac
     assert max(abs(resumed[s] - reference[s]) for s in reference) < 1e-5
 
 
+def test_a_checkpoint_of_another_model_is_refused_before_any_process_starts(tmp_path, stopped, cli):
+    """A full fine-tune's checkpoint resumed as LoRA (or into a model of another shape) stops with one line."""
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    proc = cli("train", TINY, "--output-dir", str(out), "peft.method=lora", "--resume")
+    one_line_error(proc, "tensor(s) this model does not have", "another model or peft setting", "--resume")
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5]  # nothing ran
+
+
 def test_resume_auto_without_checkpoint_starts_fresh_and_bad_path_is_refused(tmp_path, stopped, cli):
     err = (stopped.parent / "stderr.txt").read_text()  # `--resume auto` into a directory without checkpoints
     assert "resumed from" not in err and "Traceback" not in err
@@ -274,6 +283,11 @@ def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache, cli):
     assert AutoConfig.from_pretrained(base_dir).tie_word_embeddings
     saved = set(model_tensors(ckpt))
     assert saved == set(_trainable_names()), sorted(saved - set(_trainable_names()))
+    # Another LoRA rank does not fit the checkpoint: refused before any process starts, naming a tensor.
+    lora4 = [a.replace("peft.r=8", "peft.r=4") for a in lora]
+    wrong = cli("train", TINY, "--output-dir", str(out), f"data.cache_dir={cache}", *lora4, "--resume")
+    one_line_error(wrong, "does not fit this model", "down_proj.lora_A", "[8, 688] there and [4, 688] here",
+                   "config.yaml")
     train(out, cache, *lora, "--resume")
     assert max(abs(losses(out)[s] - losses(ref)[s]) for s in losses(ref)) <= 1e-6
 
