@@ -21,6 +21,7 @@ from shardtune.checkpoint.export import checkpoint_tensors
 from shardtune.checkpoint.layout import resolve_checkpoint
 from shardtune.checkpoint.runlock import LOCK, lock_run_dir, release_run_dir
 from shardtune.train.loop import TEST_NAN_ENV as NAN_ENV
+from shardtune.train.loop import TEST_OOM_ENV as OOM_ENV
 
 pytestmark = pytest.mark.dist
 
@@ -128,3 +129,18 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: step 3: the weights hold NaN or Inf values; no model was written" in proc.stderr
     assert not (out / "model").exists() and not (out / "checkpoints").exists()
+
+
+def test_out_of_gpu_memory_is_one_line_with_the_fixes(tmp_path):
+    """A CUDA out-of-memory error (raised here by the loop's test hook: a CPU cannot run out of GPU memory) ends
+    the run with exit code 2 and one line: where, and the smallest changes that lower the peak."""
+    out = tmp_path / "run"
+    proc = run_cli(*_args(out, tmp_path / "cache", "train.max_steps=3", "checkpoint.at_end=false"),
+                   env={OOM_ENV: "2"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(error) == 1, proc.stderr
+    assert error[0].startswith("error: out of GPU memory in step 2 on rank 0: CUDA out of memory.")
+    assert "shardtune plan CONFIG --all" in error[0]
+    assert "train.micro_batch_size=2 train.grad_accum=2 (the same global batch)" in error[0]
+    assert "parallel.activation_checkpointing=full" in error[0]

@@ -46,6 +46,8 @@ from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
 SPIKE_WINDOW = 50  # steps whose median loss a spike is measured against
 # Test-only fault injection: steps (1-based, comma-separated) whose loss is multiplied by NaN on every rank.
 TEST_NAN_ENV = "SHARDTUNE_TEST_NAN_STEPS"
+# Tests only: raise torch.OutOfMemoryError at the start of this step (CPU runs cannot run out of GPU memory).
+TEST_OOM_ENV = "SHARDTUNE_TEST_OOM_STEP"
 
 
 @dataclass
@@ -116,7 +118,10 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     # Several nodes: one checkpoint folder for all, checked before the model is built.
     check_shared_root(checkpoint_root(cfg.checkpoint, cfg.train.output_dir), ctx,
                       int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world)))
-    run = set_up(cfg, ctx)
+    try:
+        run = set_up(cfg, ctx)
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(cfg, ctx, err, "while building and loading the model") from None
     run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state, run.total_steps)
     start = time.perf_counter()
     if not run.resume:
@@ -124,7 +129,10 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     interval = _Interval(run.ctx.device, run.system)
     with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
-            _train_step(run, step, interval)
+            try:
+                _train_step(run, step, interval)
+            except torch.OutOfMemoryError as err:
+                raise out_of_memory(run.cfg, run.ctx, err, f"in step {step + 1}") from None
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
@@ -143,6 +151,28 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     if finished:
         run_eval(run.total_steps)
     return finish(run, finished, time.perf_counter() - start, overwrite=overwrite)
+
+
+def out_of_memory(cfg: Config, ctx: DistContext, err: BaseException, where: str) -> ShardtuneError:
+    """A CUDA out-of-memory error as one line: where it happened, what the GPU held, and the smallest changes that
+    lower the peak (the planner's fixes, in its order), instead of a traceback from every rank."""
+    held = ""
+    if ctx.device.type == "cuda":
+        total = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+        held = (f" ({torch.cuda.memory_allocated(ctx.device) / 2**30:.1f} GiB allocated, "
+                f"{torch.cuda.memory_reserved(ctx.device) / 2**30:.1f} GiB reserved of {total:.1f} GiB)")
+    t, p = cfg.train, cfg.parallel
+    fixes = []
+    if isinstance(t.micro_batch_size, int) and t.micro_batch_size > 1:
+        fixes.append(f"train.micro_batch_size={t.micro_batch_size // 2} train.grad_accum={t.grad_accum * 2} "
+                     "(the same global batch)")
+    if p.activation_checkpointing == "none":
+        fixes.append("parallel.activation_checkpointing=full")
+    if p.strategy in ("ddp", "zero1", "zero2") and ctx.world > 1:
+        fixes.append("parallel.strategy=zero3")
+    first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    return ShardtuneError(f"out of GPU memory {where} on rank {ctx.rank}{held}: {first}; this setting does not fit: "
+                          f"`shardtune plan CONFIG --all` shows what fits; try {'; or '.join(fixes) or 'more GPUs'}")
 
 
 def set_up(cfg: Config, ctx: DistContext) -> Run:
@@ -312,6 +342,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         run.profiler.before(step + 1)
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
     _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
+    if os.environ.get(TEST_OOM_ENV) == str(step + 1):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({TEST_OOM_ENV})")
     normalizer = global_target_tokens(micro, ctx.device)
     lr = current_lr(backend.optimizer)
     step_loss = torch.zeros((), device=ctx.device)
