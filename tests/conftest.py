@@ -299,13 +299,33 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 # --- Parallel runs (pytest-xdist, `-n`) ----------------------------------------------------------------------------
-# With `--dist loadgroup` each group runs whole on one worker. One group per module keeps a module's fixtures (its
-# shared training runs) computed once; the modules that read the session's FSDP2 launches share one group, so that
-# launch runs once too.
-SHARED_SESSION_RUNS = ("fsdp2_runs",)
+# Each module runs whole on one worker, so its module fixtures (its shared training runs) are made once. The modules
+# that read the session's FSDP2 launches (`fsdp2_runs`) form one group, so that launch runs once too. (xdist's own
+# `--dist loadgroup` cannot do this under pytest 9: its group suffix on the node id no longer reaches the scheduler.)
+FSDP2_RUNS_MODULES = ("tests/dist/test_parity.py", "tests/dist/test_deepspeed.py", "tests/dist/test_comm.py",
+                      "tests/dist/test_monitors.py", "tests/dist/test_report.py")
+
+
+def scheduling_group(nodeid: str) -> str:
+    """The group a test runs in: its module, or the one group of the modules sharing the FSDP2 launches."""
+    module = nodeid.split("::", 1)[0]
+    return "fsdp2_runs" if module in FSDP2_RUNS_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_group(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        shared = [name for name in SHARED_SESSION_RUNS if name in getattr(item, "fixturenames", ())]
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.nodeid.split("::")[0]))
+    """A module that starts reading `fsdp2_runs` must join FSDP2_RUNS_MODULES, or a parallel run makes it twice."""
+    readers = [item.nodeid for item in items if "fsdp2_runs" in getattr(item, "fixturenames", ())]
+    strays = sorted({nodeid.split("::", 1)[0] for nodeid in readers if scheduling_group(nodeid) != "fsdp2_runs"})
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)} use(s) fsdp2_runs: add them to FSDP2_RUNS_MODULES in "
+                                "tests/conftest.py")
