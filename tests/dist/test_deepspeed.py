@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, max_diff, run_cli, worker_results
+from conftest import ROOT, assert_same_gradients, max_diff, run_cli, worker_results
 
 from shardtune.parallel.deepspeed import async_io_available
 
@@ -43,9 +43,10 @@ def results(tmp_path_factory, fsdp2_runs, tiny_model_dir):
 def test_deepspeed_matches_unsharded_and_fsdp2(results, variant):
     ref, two = results
     assert two[variant]["world"] == 2
-    assert max_diff(ref["ddp"]["losses"], two[variant]["losses"]) < 1e-5
+    assert_same_gradients(ref["ddp"], two[variant])
     for fsdp2 in ("zero2", "zero3"):
-        assert max_diff(two[fsdp2]["losses"], two[variant]["losses"]) < 1e-5
+        assert_same_gradients(two[fsdp2], two[variant])
+    assert two[variant]["ds_stage"] == (int(variant[4]) if variant.startswith("zero") else 0)  # the engine ran it
     assert two[variant]["losses"][-1] < two[variant]["losses"][0]
     assert two[variant]["export_logit_diff"] < 1e-5  # OUTPUT/model reloads through transformers
 
@@ -135,3 +136,11 @@ def test_deepspeed_collectives_are_counted(results):
     # Parameters under stage3_param_persistence_threshold stay whole on every rank: gathered less than the
     # planner's every-parameter-twice-per-micro-batch.
     assert 0 < z3["bus_bytes_per_step"]["all_gather"] <= z3["predicted_bus_bytes_per_step"]["all_gather"]
+
+
+def test_deepspeed_runs_prove_their_features(results):
+    two = results[1]
+    assert two["zero3:ds:ac"]["mlp_calls"] == 2 * two["zero3:ds"]["mlp_calls"] == 2 * 4 * 6 * 2  # recomputed
+    assert two["zero3:ds:bf16"]["activation_dtypes"] == ["bfloat16"]
+    assert two["zero3:ds"]["activation_dtypes"] == ["float32"]
+    assert two["zero3:ds:lora"]["ds_stage"] == two["zero3:ds:bf16"]["ds_stage"] == 3

@@ -9,7 +9,7 @@ compare against the same runs.
 from __future__ import annotations
 
 import pytest
-from conftest import max_diff, worker_results
+from conftest import assert_same_gradients, max_diff, worker_results
 
 pytestmark = pytest.mark.dist
 
@@ -32,6 +32,8 @@ def results(fsdp2_runs, tmp_path_factory):
     two["_one_zero3_qlora"] = refs["zero3:qlora"]
     two["_ref_adamw8bit"] = refs["ddp:adamw8bit"]
     two["_ref_full"] = refs["ddp"]
+    two["_ref_noclip"] = refs["ddp:noclip"]
+    two["_one_mb16"] = refs["ddp:mb16"]
     return refs["ddp"], two
 
 
@@ -39,7 +41,7 @@ def results(fsdp2_runs, tmp_path_factory):
 def test_fp32_trajectory_matches_unsharded(results, variant):
     ref, two = results
     assert two[variant]["world"] == 2 and ref["world"] == 1
-    assert max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
+    assert_same_gradients(ref, two[variant])
     assert ref["losses"][-1] < ref["losses"][0]  # it trains
 
 
@@ -47,7 +49,7 @@ def test_hsdp_matches_unsharded_and_shards_within_groups(results):
     ref, two = results
     run = two["_four"]["hsdp:s2"]
     assert run["world"] == 4
-    assert max_diff(ref["losses"], run["losses"]) < 1e-5
+    assert_same_gradients(ref, run)
     rep = run["sharding"]
     assert rep["all_dtensor"] and rep["mesh"] == ["(2, 2)"]
     assert rep["placements"] == ["(Replicate(), Shard(dim=0))"]
@@ -60,7 +62,8 @@ def test_qlora_under_hsdp_matches_single_process_qlora(results):
     # and quantised with the whole weight's statistics, so the 1-process QLoRA trajectory is kept.
     two = results[1]
     run = two["_four"]["hsdp:s2:qlora"]
-    assert max_diff(two["_ref_qlora"]["losses"], run["losses"]) < 1e-5
+    assert_same_gradients(two["_ref_qlora"], run)
+    assert run["nf4_params"] == 7 * 4  # the frozen projections are NF4 on every rank (their shards)
     assert run["adapter_tensors"] == 2 * 7 * 4 and run["adapter_nonzero_b"] == 7 * 4
 
 
@@ -100,7 +103,7 @@ def test_packed_trajectory_matches_unsharded_packed(results, variant):
     # Packed rows (document mask, positions restarting per example) through every strategy:
     # the same global batches as the 1-process run give the same losses.
     two = results[1]
-    assert max_diff(two["_ref_packed"]["losses"], two[variant]["losses"]) < 1e-5
+    assert_same_gradients(two["_ref_packed"], two[variant])
     assert two[variant]["export_logit_diff"] < 1e-5
 
 
@@ -108,7 +111,7 @@ def test_packed_trajectory_matches_unsharded_packed(results, variant):
 def test_lora_matches_single_process_lora_and_saves_a_loadable_adapter(results, variant):
     two = results[1]
     ref = two["_ref_lora"]
-    assert max_diff(ref["losses"], two[variant]["losses"]) < 1e-5
+    assert_same_gradients(ref, two[variant])
     assert ref["losses"][-1] < ref["losses"][0]
     assert two[variant]["base_weights_diff"] == 0.0  # the base never changes, to the bit
     assert two[variant]["adapter_logit_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = trained
@@ -130,7 +133,7 @@ def test_qlora_zero3_matches_single_process_qlora(results):
     # NF4 codes are the same however the weight is sharded (quantised with the whole weight's mean),
     # so sharded QLoRA follows the one-process QLoRA trajectory; close to bf16-free LoRA too.
     two = results[1]
-    assert max_diff(two["_ref_qlora"]["losses"], two["zero3:qlora"]["losses"]) < 1e-5
+    assert_same_gradients(two["_ref_qlora"], two["zero3:qlora"])
     assert max_diff(two["_ref_lora"]["losses"], two["zero3:qlora"]["losses"]) < 3e-2
     assert two["zero3:qlora"]["adapter_tensors"] == 2 * 7 * 4  # A and B for 7 projections x 4 layers
     assert two["zero3:qlora"]["adapter_nonzero_b"] == 7 * 4  # every B trained away from its zero init
@@ -142,7 +145,7 @@ def test_qlora_on_one_process_through_fsdp2_matches_ddp(results):
     two = results[1]
     one = two["_one_zero3_qlora"]
     assert one["world"] == 1
-    assert max_diff(two["_ref_qlora"]["losses"], one["losses"]) < 1e-5
+    assert_same_gradients(two["_ref_qlora"], one)
     assert one["adapter_tensors"] == 2 * 7 * 4 and one["adapter_nonzero_b"] == 7 * 4
 
 
@@ -150,3 +153,68 @@ def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):
     two = results[1]
     assert max_diff(two["_ref_adamw8bit"]["losses"], two["zero3:adamw8bit"]["losses"]) < 2e-2
     assert max_diff(two["_ref_full"]["losses"], two["zero3:adamw8bit"]["losses"]) < 5e-2
+
+
+# --- Gradients: a scale error the clipped runs cannot see -------------------------------------------------------
+LAYERS, STEPS, ACCUM = 4, 6, 2  # tiny-llama's blocks; tests/dist/worker.py's steps; the 2-process accumulation
+
+
+def test_without_clipping_a_higher_lr_run_keeps_the_gradients(results):
+    # optim.max_grad_norm=0 and lr 1e-2: nothing rescales the gradients before the update.
+    two = results[1]
+    ref, run = two["_ref_noclip"], two["zero3:noclip"]
+    assert_same_gradients(ref, run)
+    assert max(ref["grad_norms"]) > 1.0  # clipping at 1.0 would have changed these steps
+    assert max_diff(two["_ref_full"]["losses"], ref["losses"]) > 1e-2  # clipping is really off / the LR higher
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+def test_any_split_of_the_global_batch_gives_the_same_gradients(results):
+    # Variable-length rows (target tokens differ per micro-batch): 1 process x micro-batch 16 x accumulation 1,
+    # 2 x 2 x 4 and the reference 1 x 4 x 4 see the same 16 sequences per step. A per-micro-batch mean, or a
+    # normaliser that is not the step's global target-token count, weighs them differently.
+    ref, two = results
+    one, split = two["_one_mb16"], two["zero3:mb2"]
+    assert one["world"] == 1 and split["world"] == 2
+    assert one["mlp_calls"] == LAYERS * STEPS * 1 and split["mlp_calls"] == LAYERS * STEPS * 4  # the split ran
+    assert_same_gradients(one, split)
+    assert_same_gradients(ref, split)
+
+
+# --- Each run that claims a feature proves it was on ------------------------------------------------------------
+def test_activation_checkpointing_recomputes_every_block(results):
+    two = results[1]
+    assert two["zero3"]["mlp_calls"] == LAYERS * STEPS * ACCUM  # one forward per block per micro-batch
+    assert two["zero3:ac"]["mlp_calls"] == 2 * LAYERS * STEPS * ACCUM  # and the recompute in the backward
+
+
+def test_compile_produces_compiled_graphs(results):
+    two = results[1]
+    assert two["zero3:compile"]["compiled_graphs"] > 0
+    assert two["zero3"]["compiled_graphs"] == 0
+
+
+@pytest.mark.parametrize(("variant", "dtype"), [("zero3", "float32"), ("zero3:bf16", "bfloat16"),
+                                                ("zero2:fp16", "float16"), (LORA_BF16, "bfloat16")])
+def test_blocks_compute_in_the_claimed_precision(results, variant, dtype):
+    assert results[1][variant]["activation_dtypes"] == [dtype]
+
+
+def test_packed_runs_carry_document_masks(results):
+    two = results[1]
+    for variant in PACKED:
+        assert two[variant]["doc_masked_calls"] == STEPS * ACCUM  # every training forward of this rank
+    assert two["_ref_packed"]["doc_masked_calls"] == STEPS * 4
+    assert two["zero3"]["doc_masked_calls"] == 0
+
+
+@pytest.mark.parametrize("variant", ["zero3:qlora", "_one_zero3_qlora", "_ref_qlora"])
+def test_qlora_runs_hold_nf4_weights(results, variant):
+    assert results[1][variant]["nf4_params"] == 7 * 4  # 7 projections x 4 layers
+    assert results[1]["zero3:lora"]["nf4_params"] == 0
+
+
+@pytest.mark.parametrize("variant", ["zero3:adamw8bit", "_ref_adamw8bit"])
+def test_adamw8bit_keeps_8bit_states(results, variant):
+    assert "OptimState8bit" in results[1][variant]["optimizer_state_types"]
+    assert "OptimState8bit" not in results[1]["zero3"]["optimizer_state_types"]

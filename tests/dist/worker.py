@@ -5,10 +5,12 @@
 A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
 compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
 adamw8bit, ds (parallel.backend=deepspeed), offload / offparams / nvme (DeepSpeed offload of the optimizer /
-of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp). For each
-variant rank 0 records the loss
-trajectory, whether every parameter is a DTensor sharded on dim 0, and the largest logit
-difference between the trained (sharded) model and the Hugging Face directory it exported,
+of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp), noclip (optim.max_grad_norm=0, lr 1e-2),
+mb16 / mb2 (micro-batch 16 x accumulation 1 / micro-batch 2 x accumulation 4). For each
+variant rank 0 records the loss and grad-norm (before clipping) trajectories, facts that prove a feature
+was on (`Probe`: block recomputes, activation dtypes, document masks; compiled graphs, NF4 parameters,
+optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor sharded on dim 0, and the
+largest logit difference between the trained (sharded) model and the Hugging Face directory it exported,
 reloaded with transformers, and the run's communication accounting (summary.json's `comm`) with the
 model's element counts. Results go to OUT_DIR/results.json. One launch for many variants:
 start-up costs ~3 s per launch on CPU.
@@ -49,8 +51,100 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "offparams": "parallel.offload=params",
            "nvme": "parallel.offload=optimizer parallel.offload_nvme_path={nvme_dir}",
            "s2": "parallel.shard_size=2",
+           # Clipping off and a 10x learning rate: the clipped runs hide a gradient-scale error from the loss.
+           "noclip": "optim.max_grad_norm=0 train.lr=1e-2",
+           # Other splits of the same global batch of 16 (the launch's grad_accum is overridden).
+           "mb16": "train.micro_batch_size=16 train.grad_accum=1",
+           "mb2": "train.micro_batch_size=2 train.grad_accum=4",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
+
+
+def _is_block(module: torch.nn.Module) -> bool:
+    # FSDP2 swaps in a subclass (FSDPLlamaDecoderLayer), so the class name, not the class, identifies a block.
+    return "DecoderLayer" in type(module).__name__
+
+
+def _is_block_body(module: torch.nn.Module) -> bool:
+    # transformers 5 checkpoints a block's `forward`, not its `__call__` (so FSDP2's hooks run once): the block's
+    # own hooks fire once either way, the hooks of a module inside it (its MLP) fire again in the recompute.
+    return type(module).__name__.endswith("MLP")
+
+
+def _is_root(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("ForCausalLM")
+
+
+class Probe:
+    """What the model saw during training steps, through global module hooks (no change to the code under test):
+    calls of the blocks' MLPs (activation checkpointing runs each twice: forward and recompute), the
+    dtypes of the blocks' outputs, and how many root calls carried a document mask (one that blocks an earlier
+    position of the row, which a plain causal mask never does). Eval forwards (eval mode) are not counted."""
+
+    def __init__(self) -> None:
+        self.mlp_calls = 0
+        self.dtypes: set[str] = set()
+        self.doc_masked_calls = 0
+        self._roots: set[int] = set()
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
+                         torch.nn.modules.module.register_module_forward_hook(self._post)]
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        # Global hooks get no keyword arguments: the root gets its own hook that does, on its first call.
+        if _is_root(module) and id(module) not in self._roots and not torch.compiler.is_compiling():
+            self._roots.add(id(module))
+            module.register_forward_pre_hook(self._root_kwargs, with_kwargs=True, prepend=True)
+
+    def _root_kwargs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        if not module.training or mask is None:
+            return
+        if type(mask).__name__ == "BlockMask":
+            self.doc_masked_calls += 1
+        elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            blocked = ~mask if mask.dtype == torch.bool else mask < 0
+            below = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+            self.doc_masked_calls += int(bool((blocked & below).any()))
+
+    def _post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if torch.compiler.is_compiling() or not module.training:
+            return
+        self.mlp_calls += _is_block_body(module)
+        if not _is_block(module):
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor):
+            self.dtypes.add(str(hidden.dtype).removeprefix("torch."))
+
+    def facts(self) -> dict[str, object]:
+        return {"mlp_calls": self.mlp_calls, "activation_dtypes": sorted(self.dtypes),
+                "doc_masked_calls": self.doc_masked_calls}
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def nf4_params(module: torch.nn.Module) -> int:
+    """Parameters stored as torchao NF4 tensors (QLoRA's frozen base), sharded or not."""
+    return sum(type(p.to_local() if isinstance(p, DTensor) else p).__name__ == "NF4Tensor"
+               for p in module.parameters())
+
+
+def optimizer_state_types(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Type names of the optimizer's state tensors (their local shards): torchao's 8-bit states are their own type."""
+    names = set()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step counter
+                names.add(type(value.to_local() if isinstance(value, DTensor) else value).__name__)
+    return sorted(names)
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def sharding_report(module: torch.nn.Module) -> dict[str, object]:
@@ -169,9 +263,18 @@ def main() -> None:
                      # zero3 also traces steps 2-3 with torch.profiler (tests/dist/test_monitors.py)
                      *(["log.profile={start: 2, steps: 2}"] if variant == "zero3" else []),
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
-        result = run_training(config_from_dict(BASE, overrides), ctx)
+        probe, graphs = Probe(), compiled_graphs()
+        try:
+            result = run_training(config_from_dict(BASE, overrides), ctx)
+        finally:
+            probe.close()
         summary, backend = result.summary, result.backend
-        results[variant] = {"losses": summary["losses"], "sharding": sharding_report(backend.module),
+        engine = getattr(backend, "engine", None)
+        results[variant] = {"losses": summary["losses"], "grad_norms": summary["grad_norms"], **probe.facts(),
+                            "compiled_graphs": compiled_graphs() - graphs, "nf4_params": nf4_params(backend.module),
+                            "optimizer_state_types": optimizer_state_types(backend.optimizer),
+                            "ds_stage": engine.zero_optimization_stage() if engine is not None else None,
+                            "sharding": sharding_report(backend.module),
                             "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module),
                             "dtypes": param_dtypes(backend.module), "comm": summary["comm"],
                             "numel": model_numel(backend.module), "logged": logged_fields(summary["output_dir"]),

@@ -743,6 +743,7 @@ def _summary(run: Run, seconds: float) -> dict[str, Any]:
         "steps": run.total_steps, "world_size": run.ctx.world, "strategy": cfg.parallel.strategy,
         "precision": cfg.train.precision, "params": run.built.params, "train_seconds": seconds,
         "final_loss": last.get("loss"), "losses": [r["loss"] for r in state.history],
+        "grad_norms": [r["grad_norm"] for r in state.history],  # before clipping
         "evals": state.evals, "output_dir": str(out),
         "stopped_by": signals.signal_name(state.stopped_by) if state.stopped_by else None,
         "exit_code": 128 + state.stopped_by if state.stopped_by else 0,
