@@ -129,7 +129,7 @@ TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "z
 def worker_results(out: Path, nproc: int, grad_accum: int, variants: list[str],
                    env: dict[str, str] | None = None) -> dict[str, dict]:
     """Run tests/dist/worker.py's variants in one launch of `nproc` processes; their results by variant."""
-    torchrun(nproc, [WORKER, str(out), str(grad_accum), *variants], env=env)
+    torchrun(nproc, [WORKER, str(out), str(grad_accum), *variants], timeout=1500, env=env)  # cold op builds
     return json.loads((out / "results.json").read_text())
 
 
