@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # One inductor cache for the whole run, this process and every process it starts: kernels (and the precompiled
 # header, ~10-20 s of C++ on CPU) compiled by one test are reused by the next, across processes and runs.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".pytest_cache" / "inductor"))
+INDUCTOR_CACHE = str(ROOT / ".pytest_cache" / "inductor")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", INDUCTOR_CACHE)
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -24,6 +25,10 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
+    # One inductor cache per thread count: Inductor's CPU kernels depend on it and its cache key does not say so.
+    # A flex-attention block compiled in a one-thread process (a torchrun worker) and reused by this one gave NaN
+    # logits (test_packed_attention's compiled flex test), and compiling it with one thread gives NaN anyway.
+    env["TORCHINDUCTOR_CACHE_DIR"] = f"{INDUCTOR_CACHE}-omp{env['OMP_NUM_THREADS']}"
     return env
 
 
@@ -135,7 +140,7 @@ TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "z
 def worker_results(out: Path, nproc: int, grad_accum: int, variants: list[str],
                    env: dict[str, str] | None = None) -> dict[str, dict]:
     """Run tests/dist/worker.py's variants in one launch of `nproc` processes; their results by variant."""
-    torchrun(nproc, [WORKER, str(out), str(grad_accum), *variants], env=env)
+    torchrun(nproc, [WORKER, str(out), str(grad_accum), *variants], timeout=1500, env=env)  # cold op builds
     return json.loads((out / "results.json").read_text())
 
 

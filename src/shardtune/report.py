@@ -20,7 +20,7 @@ from shardtune.errors import ShardtuneError
 REPORT_DIR = "report"  # OUTPUT_DIR/report, written at the end of `train`
 PAGE = "report.html"
 MIB = 2**20
-INSTALL_HINT = "pip install matplotlib (or pip install 'shardtune[report]')"
+INSTALL_HINT = "pip install matplotlib (or, in a checkout, pip install -e '.[report]')"
 
 
 @dataclass

@@ -168,7 +168,7 @@ def check_model_fits(path: Path, cfg: Config) -> None:
     from shardtune.checkpoint.formats import stored_format
     from shardtune.models.build import build_on_meta, load_hf_config
 
-    if stored_format(path) != "dcp":
+    if stored_format(path) != "dcp" or not (path / ".metadata").is_file():  # no metadata: verify names it damaged
         return
     saved = {name: tuple(meta.size) for name, meta in model_tensors(path).items()}
     hf_config = load_hf_config(cfg.model)

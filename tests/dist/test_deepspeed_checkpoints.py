@@ -39,7 +39,7 @@ def ckpts(tmp_path_factory):
     pytest.importorskip("deepspeed")
     pytest.importorskip("peft")
     out = tmp_path_factory.mktemp("ds")
-    torchrun(2, [WORKER, str(out), *VARIANTS], timeout=300)
+    torchrun(2, [WORKER, str(out), *VARIANTS], timeout=900)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Liger-Kernel (`pip install 'shardtune[liger]'`): Triton kernels for RMSNorm, RoPE and SwiGLU, swapped into the
+"""Liger-Kernel (`pip install -e '.[liger]'`): Triton kernels for RMSNorm, RoPE and SwiGLU, swapped into the
 model through Liger's own patching API, and its fused linear + cross-entropy, which never materialises the
 [tokens, vocab] logits (2 GiB of bf16 at Llama-3's 128k vocabulary, micro-batch 4, seq 2048).
 
@@ -57,7 +57,7 @@ def check_liger(setting: LigerSetting, device_type: str, model_type: str) -> Non
         raise ShardtuneError(f"model.liger: true, but shardtune applies Liger only to {', '.join(LIGER_MODEL_TYPES)} "
                              f"models and this one is {model_type!r}; set model.liger=false")
     if not liger_installed():
-        raise ShardtuneError("model.liger: true, but liger-kernel is not installed; pip install 'shardtune[liger]' "
+        raise ShardtuneError("model.liger: true, but liger-kernel is not installed; pip install -e '.[liger]' "
                              "(or liger-kernel), or set model.liger=auto or false")
 
 

@@ -56,6 +56,15 @@ def describe(cfg: Config, world: int) -> str:
     return BACKENDS[cfg.parallel.backend].describe(cfg, world)
 
 
+def memory_fixes(p: ParallelConfig, world: int) -> list[str]:
+    """Overrides that lower a run's peak GPU memory at the parallel level, smallest change first (for the
+    out-of-memory message): activation checkpointing, then sharding parameters too."""
+    fixes = ["parallel.activation_checkpointing=full"] if p.activation_checkpointing == "none" else []
+    if p.strategy in ("ddp", "zero1", "zero2") and world > 1:
+        fixes.append("parallel.strategy=zero3")
+    return fixes
+
+
 def check_strategy(p: ParallelConfig) -> None:
     """Strategy, offload and NVMe settings that contradict each other whatever the backend."""
     if p.shard_size != "auto" and p.strategy != "hsdp":

@@ -37,7 +37,7 @@ from shardtune.metrics.profile import StepProfiler
 from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
-from shardtune.parallel import BACKENDS, make_backend
+from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
 from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
@@ -162,14 +162,11 @@ def out_of_memory(cfg: Config, ctx: DistContext, err: BaseException, where: str)
         held = (f" ({torch.cuda.memory_allocated(ctx.device) / 2**30:.1f} GiB allocated, "
                 f"{torch.cuda.memory_reserved(ctx.device) / 2**30:.1f} GiB reserved of {total:.1f} GiB)")
     t, p = cfg.train, cfg.parallel
-    fixes = []
+    fixes: list[str] = []
     if isinstance(t.micro_batch_size, int) and t.micro_batch_size > 1:
         fixes.append(f"train.micro_batch_size={t.micro_batch_size // 2} train.grad_accum={t.grad_accum * 2} "
                      "(the same global batch)")
-    if p.activation_checkpointing == "none":
-        fixes.append("parallel.activation_checkpointing=full")
-    if p.strategy in ("ddp", "zero1", "zero2") and ctx.world > 1:
-        fixes.append("parallel.strategy=zero3")
+    fixes += memory_fixes(p, ctx.world)
     first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
     return ShardtuneError(f"out of GPU memory {where} on rank {ctx.rank}{held}: {first}; this setting does not fit: "
                           f"`shardtune plan CONFIG --all` shows what fits; try {'; or '.join(fixes) or 'more GPUs'}")
