@@ -67,7 +67,9 @@ def _is_block(module: torch.nn.Module) -> bool:
 
 def _is_block_body(module: torch.nn.Module) -> bool:
     # transformers 5 checkpoints a block's `forward`, not its `__call__` (so FSDP2's hooks run once): the block's
-    # own hooks fire once either way, the hooks of a module inside it (its MLP) fire again in the recompute.
+    # own hooks fire once either way, the hooks of a module inside it (its MLP) fire again in the recompute. Its
+    # forward PRE hook: the recompute stops early (torch.utils.checkpoint's early stop) once the last tensor the
+    # backward needs exists, which is inside the MLP (down_proj's input), so the MLP never returns there.
     return type(module).__name__.endswith("MLP")
 
 
@@ -90,6 +92,8 @@ class Probe:
                          torch.nn.modules.module.register_module_forward_hook(self._post)]
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if not torch.compiler.is_compiling() and module.training:
+            self.mlp_calls += _is_block_body(module)
         # Global hooks get no keyword arguments: the root gets its own hook that does, on its first call.
         if _is_root(module) and id(module) not in self._roots and not torch.compiler.is_compiling():
             self._roots.add(id(module))
@@ -109,7 +113,6 @@ class Probe:
     def _post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         if torch.compiler.is_compiling() or not module.training:
             return
-        self.mlp_calls += _is_block_body(module)
         if not _is_block(module):
             return
         hidden = output[0] if isinstance(output, tuple) else output
