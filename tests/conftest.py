@@ -63,8 +63,8 @@ def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT,
 
     On a timeout or an interrupt the command's whole process tree is killed: killing only torchrun left its
     workers, and the DeepSpeed op build one of them had started, running long after the test had failed."""
-    with subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
+    with subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # stdin: not the test runner's (xdist's pipe)
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException:
