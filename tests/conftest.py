@@ -26,8 +26,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     # One inductor cache per thread count: Inductor's CPU kernels depend on it and its cache key does not say so.
-    # A flex-attention block compiled in a one-thread process (a torchrun worker) and reused by this one gave NaN
-    # logits (test_packed_attention's compiled flex test), and compiling it with one thread gives NaN anyway.
+    # (Found with FlexAttention's CPU kernel, which test_packed_attention no longer uses: it is wrong by itself.)
     env["TORCHINDUCTOR_CACHE_DIR"] = f"{INDUCTOR_CACHE}-omp{env['OMP_NUM_THREADS']}"
     return env
 
