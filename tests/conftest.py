@@ -233,10 +233,21 @@ def cli() -> Callable[..., CliResult]:
 # --- Visible skips ------------------------------------------------------------------------------------------------
 # CI (CI=true) installs every extra and libaio, so a skip there means a broken install, not a missing GPU: it
 # fails the run. Only what a CPU machine cannot run may skip in CI; each reason is listed with why.
+NVME_SKIP = ("NVMe offload builds DeepSpeed's async_io op (~7 min of C++ on 2 cores): set SHARDTUNE_TEST_OP_BUILDS=1 "
+             "to build and run it")
 ALLOWED_CI_SKIPS = {
     "needs CUDA": "tests/gpu: the CI machine has no GPU",
+    NVME_SKIP: "a build, not a missing install: more than half of the suite's 12-minute budget",
     "3.14's incremental collector has no full passes": "a Python version, not an install",
 }
+
+
+def op_built(name: str) -> bool:
+    """Whether DeepSpeed's op `name` loads without a build: installed prebuilt (DS_BUILD_*=1) or JIT-built before."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return bool(installed_ops.get(name)) or (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
 
 
 def in_ci() -> bool:
