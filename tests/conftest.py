@@ -26,8 +26,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     # One inductor cache per thread count: Inductor's CPU kernels depend on it and its cache key does not say so.
-    # A flex-attention block compiled in a one-thread process (a torchrun worker) and reused by this one gave NaN
-    # logits (test_packed_attention's compiled flex test), and compiling it with one thread gives NaN anyway.
+    # (Found with FlexAttention's CPU kernel, which test_packed_attention no longer uses: it is wrong by itself.)
     env["TORCHINDUCTOR_CACHE_DIR"] = f"{INDUCTOR_CACHE}-omp{env['OMP_NUM_THREADS']}"
     return env
 
@@ -63,8 +62,8 @@ def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT,
 
     On a timeout or an interrupt the command's whole process tree is killed: killing only torchrun left its
     workers, and the DeepSpeed op build one of them had started, running long after the test had failed."""
-    with subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
+    with subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # stdin: not the test runner's (xdist's pipe)
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException:
@@ -245,10 +244,21 @@ def cli() -> Callable[..., CliResult]:
 # --- Visible skips ------------------------------------------------------------------------------------------------
 # CI (CI=true) installs every extra and libaio, so a skip there means a broken install, not a missing GPU: it
 # fails the run. Only what a CPU machine cannot run may skip in CI; each reason is listed with why.
+NVME_SKIP = ("NVMe offload builds DeepSpeed's async_io op (~7 min of C++ on 2 cores): set SHARDTUNE_TEST_OP_BUILDS=1 "
+             "to build and run it")
 ALLOWED_CI_SKIPS = {
     "needs CUDA": "tests/gpu: the CI machine has no GPU",
+    NVME_SKIP: "a build, not a missing install: more than half of the suite's 12-minute budget",
     "3.14's incremental collector has no full passes": "a Python version, not an install",
 }
+
+
+def op_built(name: str) -> bool:
+    """Whether DeepSpeed's op `name` loads without a build: installed prebuilt (DS_BUILD_*=1) or JIT-built before."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return bool(installed_ops.get(name)) or (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
 
 
 def in_ci() -> bool:

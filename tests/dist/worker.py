@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -257,6 +258,7 @@ def main() -> None:
     if any("nvme" in v.split(":") for v in variants):
         nvme_dir.mkdir(parents=True, exist_ok=True)
     for variant in variants:
+        started = time.perf_counter()
         strategy, *opts = variant.split(":")
         extra = " ".join(OPTIONS[o] for o in opts).format(model_dir=os.environ.get("SHARDTUNE_TEST_MODEL_DIR"),
                                                           nvme_dir=nvme_dir)
@@ -296,6 +298,7 @@ def main() -> None:
             results[variant]["adapter_logit_diff"] = adapter_logit_diff(backend, summary["adapter_dir"], ctx.rank)
         else:
             results[variant]["export_logit_diff"] = export_logit_diff(backend, summary["model_dir"], ctx.rank)
+        results[variant]["seconds"] = round(time.perf_counter() - started, 1)  # where a launch's time goes
     if ctx.is_main:
         (out / "results.json").write_text(json.dumps(results, indent=2))
     clean_exit(0)

@@ -41,8 +41,7 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     """The planted tests, under this project's conftest and pyproject pytest settings."""
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    # In one process (-n 0): what is checked is the skip policy and its exit codes, not xdist's reporting.
-    pytester.makeini("[pytest]\naddopts = " + " ".join([*addopts, "-n", "0"]) + "\n")
+    pytester.makeini("[pytest]\naddopts = " + " ".join(addopts) + "\n")
     pytester.makepyfile(test_planted=PLANTED)
     return pytester
 
