@@ -163,7 +163,9 @@ def test_without_clipping_a_higher_lr_run_keeps_the_gradients(results):
     # optim.max_grad_norm=0 and lr 1e-2: nothing rescales the gradients before the update.
     two = results[1]
     ref, run = two["_ref_noclip"], two["zero3:noclip"]
-    assert_same_gradients(ref, run)
+    # Unclipped steps at lr 1e-2 amplify summation-order rounding: 2.6e-5 apart by step 3 (measured). A scale
+    # error is a factor (2 for a lost `* world`), so 1e-4 still sees it.
+    assert_same_gradients(ref, run, rtol=1e-4)
     assert max(ref["grad_norms"]) > 1.0  # clipping at 1.0 would have changed these steps
     assert max_diff(two["_ref_full"]["losses"], ref["losses"]) > 1e-2  # clipping is really off / the LR higher
     assert ref["losses"][-1] < ref["losses"][0]
