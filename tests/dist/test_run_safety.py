@@ -1,5 +1,5 @@
-"""A run's safety nets through the real CLI: one run per output directory (the lock), and numerical faults
-(non-finite loss or gradient norm: skip, count, stop with a checkpoint after N in a row)."""
+"""A run's safety nets through the real CLI: one run per output directory (the lock), numerical faults
+(non-finite loss or gradient norm: skip, count, stop with a checkpoint after N in a row), and a full disk."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _env, descendants, run_cli
+from conftest import ROOT, _env, descendants, run_cli, small_tmpfs
 
 from shardtune.checkpoint.export import checkpoint_tensors
-from shardtune.checkpoint.layout import resolve_checkpoint
+from shardtune.checkpoint.layout import complete_checkpoints, resolve_checkpoint
 from shardtune.checkpoint.runlock import LOCK, lock_run_dir, release_run_dir
 from shardtune.train.loop import TEST_NAN_ENV as NAN_ENV
 from shardtune.train.loop import TEST_OOM_ENV as OOM_ENV
@@ -144,3 +144,40 @@ def test_out_of_gpu_memory_is_one_line_with_the_fixes(tmp_path):
     assert "shardtune plan CONFIG --all" in error[0]
     assert "train.micro_batch_size=2 train.grad_accum=2 (the same global batch)" in error[0]
     assert "parallel.activation_checkpointing=full" in error[0]
+
+
+def _one_error_line(proc) -> str:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+def test_a_checkpoint_that_would_not_fit_is_refused_before_writing_and_the_previous_one_stays(tmp_path):
+    """2 processes, checkpoints on a 50 MB tmpfs; one checkpoint of this run takes 37.5 MB. Step 1's fits; before
+    step 2's, the free space (12.5 MB) is below the size of step 1's: one line naming the folder and both sizes, exit
+    code 2, nothing of step 2 on the disk, step 1 whole and the one --resume auto takes."""
+    with small_tmpfs(tmp_path / "disk", "50m") as disk:
+        proc = run_cli(*_args(tmp_path / "run", tmp_path / "cache", "--nproc", "2", "train.max_steps=3",
+                              "checkpoint.every_steps=1", "checkpoint.keep_last=5", f"checkpoint.dir={disk}"))
+        line = _one_error_line(proc)
+        assert line.startswith(f"error: checkpoint of step 2 not written: {disk} has ")
+        assert "MB free and a checkpoint of this run takes about 37." in line and "(the size of step-00000001)" in line
+        assert f"{disk / 'step-00000001'} is intact: --resume auto continues from it" in line
+        assert sorted(p.name for p in disk.iterdir()) == ["step-00000001"]  # no partial step 2, no temporary folder
+        assert resolve_checkpoint("auto", disk, check=True) == disk / "step-00000001"  # every byte as its manifest says
+
+
+def test_a_disk_that_fills_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+    """2 processes, checkpoints on a 20 MB tmpfs: the first checkpoint (37.5 MB; none before it to estimate from)
+    fills the disk while DCP's threads write it on both ranks. One line naming the folder, exit code 2, and the
+    partial checkpoint removed: nothing listed or resumable, the disk empty again."""
+    with small_tmpfs(tmp_path / "disk", "20m") as disk:
+        proc = run_cli(*_args(tmp_path / "run", tmp_path / "cache", "--nproc", "2", "train.max_steps=2",
+                              "checkpoint.every_steps=1", f"checkpoint.dir={disk}"))
+        line = _one_error_line(proc)
+        assert line.startswith(f"error: checkpoint of step 1 not written: no space left on the disk of {disk} (it "
+                               "needs more than the ")
+        assert "written before the disk filled" in line and "no complete checkpoint yet" in line
+        assert list(disk.iterdir()) == [] and complete_checkpoints(disk) == []
+        assert resolve_checkpoint("auto", disk) is None
