@@ -203,3 +203,20 @@ def test_a_worker_killed_by_sigkill_is_one_line_about_host_memory_exit_137(tmp_p
     assert errors[0].startswith("error: worker process 1 was killed by SIGKILL, most likely by the kernel's "
                                 "out-of-memory killer (host memory, not GPU memory;")
     assert "checkpoint.async=false" in errors[0] and "train.micro_batch_size=2 train.grad_accum=2" in errors[0]
+
+
+def test_deepspeed_skips_and_counts_a_nan_step_as_fsdp2_does(tmp_path, cache):
+    """The deepspeed backend at stage 0 (ddp: DeepSpeed hands the gradients to the torch optimizer as they are; its
+    ZeRO stages skip by themselves, and the same step_skipped reports it): the NaN step 2 is skipped and counted, its
+    loss kept out of the average, the LR schedule advances as under FSDP2, and the run goes on to a finite end."""
+    out = tmp_path / "run"
+    proc = _launch(*_args(out, cache, "train.max_steps=3", "parallel.backend=deepspeed", "parallel.strategy=ddp",
+                          "checkpoint.at_end=false"), nan_steps="2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2: non-finite loss or gradient norm; update skipped" in proc.stderr
+    records = _records(out)
+    assert [records[s]["skipped_steps"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert math.isnan(records[2]["loss"] if records[2]["loss"] is not None else math.nan)
+    assert all(math.isfinite(records[s]["loss"]) for s in (1, 3))
+    assert records[1]["lr"] < records[2]["lr"] < records[3]["lr"]  # warm-up goes on through the skipped step
+    assert (out / "model" / "model.safetensors").is_file()  # finite weights: written
