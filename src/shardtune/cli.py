@@ -176,13 +176,13 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from shardtune.launch import (
         LaunchOptions,
-        host_memory_fixes,
         local_gpu_count,
         resolve_nproc,
         run_torchrun,
         torchrun_args,
         under_torchrun,
     )
+    from shardtune.parallel import host_memory_fixes
 
     if under_torchrun():
         return _worker(args.config, _overrides(args), overwrite=args.overwrite, debug=args.debug)

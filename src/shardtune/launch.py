@@ -6,10 +6,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from shardtune.config import Config
 
 
 @dataclass(frozen=True)
@@ -81,21 +77,6 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> bool:
 
 
 KILLED_EXIT = 128 + 9  # a worker died of SIGKILL: what a shell or scheduler reports for a process killed so
-
-
-def host_memory_fixes(cfg: Config, gpus: int) -> list[str]:
-    """Overrides that lower a run's host (CPU) memory, for the line after the kernel's out-of-memory killer ended
-    a worker: what this config keeps in host memory first, then the generic ones."""
-    t, p = cfg.train, cfg.parallel
-    fixes = []
-    if p.offload != "none":
-        fixes.append(f"parallel.offload=none or parallel.offload_nvme_path=DIR ({p.offload} states are held in host "
-                     "memory)" if p.offload_nvme_path is None else "parallel.offload=none")
-    if cfg.checkpoint.async_save:
-        fixes.append("checkpoint.async=false (its buffers hold a host copy of every rank's shards)")
-    if not gpus and isinstance(t.micro_batch_size, int) and t.micro_batch_size > 1:  # on CPU, activations too
-        fixes.append(f"train.micro_batch_size={t.micro_batch_size // 2} train.grad_accum={t.grad_accum * 2}")
-    return [*fixes, "fewer processes on this node (--nproc)", "a node with more memory"]
 
 
 def run_torchrun(args: list[str], nproc: int, host_fixes: list[str] | None = None) -> int:
