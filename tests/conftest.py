@@ -241,6 +241,27 @@ def cli() -> Callable[..., CliResult]:
     return run_cli
 
 
+# --- A full disk: a small tmpfs -----------------------------------------------------------------------------------
+TMPFS_SKIP = "needs root and a mountable tmpfs to fill a disk"
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's syntax: 20m) mounted at `path` for the block, unmounted afterwards however the block
+    ends. Skips (visibly; not an allowed skip in CI, whose container runs as root) where it cannot be mounted."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip(TMPFS_SKIP)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(TMPFS_SKIP)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
+
+
 # --- Visible skips ------------------------------------------------------------------------------------------------
 # CI (CI=true) installs every extra and libaio, so a skip there means a broken install, not a missing GPU: it
 # fails the run. Only what a CPU machine cannot run may skip in CI; each reason is listed with why.

@@ -174,7 +174,15 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardtune.launch import LaunchOptions, resolve_nproc, run_torchrun, torchrun_args, under_torchrun
+    from shardtune.launch import (
+        LaunchOptions,
+        local_gpu_count,
+        resolve_nproc,
+        run_torchrun,
+        torchrun_args,
+        under_torchrun,
+    )
+    from shardtune.parallel import host_memory_fixes
 
     if under_torchrun():
         return _worker(args.config, _overrides(args), overwrite=args.overwrite, debug=args.debug)
@@ -217,7 +225,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         os.environ[LOCK_ENV] = str(out.resolve())
     try:
-        return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc)
+        return run_torchrun(torchrun_args(nproc, worker_args, opts), nproc, host_memory_fixes(cfg, local_gpu_count()))
     finally:
         if holder:
             release_run_dir(out)
@@ -289,8 +297,9 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug
             traceback.print_exc()
         code = 1
         if said is not None:  # another node (or process) died: a known failure, said in one line
-            if os.environ.get("RANK", "0") != "0":
-                time.sleep(5)
+            # Rank 0 waits too: when the dead process was on this node, the launcher saw it and ends this one in
+            # that time, with the line that says why (a SIGKILL: the out-of-memory killer) instead of this one.
+            time.sleep(5 if os.environ.get("RANK", "0") != "0" else 3)
             print(f"error: lost a process of the run (another node died or was killed?): {said}; "
                   f"{_newest_checkpoint(config, overrides)}", file=sys.stderr, flush=True)
             code = 2

@@ -85,6 +85,17 @@ def lost_peer(err: BaseException) -> str | None:
                 return line.strip()[:300]
         todo += [e.__cause__, e.__context__]
     return None
+def first_problem(problem: str | None) -> str | None:
+    """Collective (and a barrier): the first rank's `problem` (a one-line message, or None) on every rank, so that
+    a failure one rank met (its disk filled up) stops every rank at the same point, none left waiting in a
+    collective the failed one never joins."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return problem
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    return next((p for p in everyone if p), None)
+
+
 def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
     """Each rank's `values`, in rank order, on every rank (one collective)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)

@@ -4,8 +4,11 @@ rule of checkpoint/outdir.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,62 @@ def fsync_dir(path: Path, *, required: bool = True) -> None:
             raise
 
 
+# A full disk, and a full quota (which users meet as the same thing on shared file systems).
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded")
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err`, or an error it came from, says the disk (or quota) is full. Libraries wrap the OSError:
+    torch's zip writer raises "unexpected pos" with the ENOSPC as its context, DCP re-raises every rank's failure
+    as text in a CheckpointException."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
+            return True
+        if any(text in str(e) for text in _NO_SPACE_TEXTS):
+            return True
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 if it is gone)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed while we walk
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes (for this user) on the file system of `path`, or of its nearest existing parent."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def size_text(nbytes: int | None) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as df -H and file managers show them)."""
+    if nbytes is None:
+        return "unknown"
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:,} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    raise AssertionError("unreachable")
+
+
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     """Split tensors, in order, into files of at most max_bytes (a larger tensor gets its own file)."""
     shards: list[list[str]] = [[]]
@@ -66,12 +125,18 @@ def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map: dict[str, str] = {}
     total = 0
+    failed: Exception | None = None
     for file, shard in zip(names, shards, strict=True):
         buf = {name: t for name in shard if (t := fetch(name)) is not None}
-        if buf:
-            save_file(buf, str(out / file), metadata={"format": "pt"})
+        if buf and failed is None:
+            try:
+                save_file(buf, str(out / file), metadata={"format": "pt"})
+            except Exception as err:  # raised after the loop: the other ranks wait in fetch's gathers for this one
+                failed = err
             weight_map.update(dict.fromkeys(buf, file))
             total += sum(t.numel() * t.element_size() for t in buf.values())
+    if failed is not None:
+        raise failed
     if weight_map and len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -76,13 +76,17 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> bool:
             time.sleep(1.0)
 
 
-def run_torchrun(args: list[str], nproc: int) -> int:
+KILLED_EXIT = 128 + 9  # a worker died of SIGKILL: what a shell or scheduler reports for a process killed so
+
+
+def run_torchrun(args: list[str], nproc: int, host_fixes: list[str] | None = None) -> int:
     """Run torchrun in this process and turn worker failures into an exit code.
 
     Running the elastic launcher in-process (as accelerate does) lets a worker's one-line user
     error stand alone: torchrun's ChildFailedError report would otherwise add a traceback to it.
     Workers exit 2 for bad input, 1 for anything else, 128 + N after stopping at signal N with a checkpoint
-    (shardtune/stop.py): 143 for SIGTERM, 130 for SIGINT. The launcher's exit code is theirs.
+    (shardtune/stop.py): 143 for SIGTERM, 130 for SIGINT. The launcher's exit code is theirs, but for a worker
+    killed by SIGKILL (the kernel's out-of-memory killer, as a rule): 137 and one line with `host_fixes`.
     """
     import signal
 
@@ -124,6 +128,13 @@ def run_torchrun(args: list[str], nproc: int) -> int:
               file=sys.stderr)
         return 2
     except ChildFailedError as err:
+        killed = sorted(rank for rank, failure in err.failures.items() if failure.exitcode == -signal.SIGKILL)
+        if killed:  # before the others' lines: a worker that lost its peer says only that (and exits 2)
+            print(f"error: worker process {killed[0]} was killed by SIGKILL, most likely by the kernel's out-of-memory "
+                  "killer (host memory, not GPU memory; `dmesg | grep -i killed` or `journalctl -k` shows it); "
+                  f"lower the host memory: {'; or '.join(host_fixes or ['fewer processes on this node (--nproc)'])}; "
+                  "--resume auto continues from the newest complete checkpoint", file=sys.stderr)
+            return KILLED_EXIT
         codes = sorted({failure.exitcode for failure in err.failures.values()})
         if 2 in codes:
             return 2  # the worker printed the one-line error

@@ -61,6 +61,20 @@ def test_deepspeed_fp16_is_refused_on_a_cpu_machine_only():
     check_combination(_cfg("train.precision=fp16", "parallel.strategy=zero2"), 2, device="cpu")  # fsdp2 has it
 
 
+def test_deepspeed_refuses_applying_non_finite_updates_above_stage_0():
+    """DeepSpeed's ZeRO optimizers skip a non-finite step whatever the setting: skip_nonfinite=false is refused there
+    (one line); stage 0 (ddp) and FSDP2 honour it."""
+    for strategy in ("zero1", "zero2", "zero3"):
+        with pytest.raises(ShardtuneError) as info:
+            check_combination(_cfg("parallel.backend=deepspeed", f"parallel.strategy={strategy}",
+                                   "train.skip_nonfinite=false"))
+        assert str(info.value).startswith(f"train.skip_nonfinite: false, but DeepSpeed's ZeRO optimizer "
+                                          f"(parallel.strategy={strategy}) always skips")
+    check_combination(_cfg("parallel.backend=deepspeed", "parallel.strategy=ddp", "train.skip_nonfinite=false"))
+    check_combination(_cfg("parallel.strategy=zero2", "train.skip_nonfinite=false"))
+    check_combination(_cfg("parallel.backend=deepspeed", "parallel.strategy=zero2"))
+
+
 def test_describe_comes_from_the_backend():
     assert describe(_cfg("parallel.backend=deepspeed", "parallel.strategy=zero1"), 2) == "DeepSpeed ZeRO stage 1"
     assert describe(_cfg("parallel.strategy=ddp"), 2) == "torch DDP (replicated)"

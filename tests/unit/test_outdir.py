@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, one_line_error, run_cli
+from conftest import ROOT, one_line_error, run_cli, small_tmpfs
 
 from shardtune.checkpoint.export import export_checkpoint
 from shardtune.checkpoint.hf_export import save_hf_model
@@ -213,3 +213,30 @@ def test_adapter_export_of_an_older_checkpoint_leaves_out_the_tied_lm_head(run, 
     assert set(state) == {n.removeprefix("model.").replace(".default", "") for n in adapters}
     base = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "base", "tiny-llama"))
     PeftModel.from_pretrained(base, out)
+
+
+def test_a_model_that_does_not_fit_on_the_disk_is_one_line_and_leaves_nothing(tmp_path):
+    """The final model (or an export) onto a full disk: refused before writing when the free space is below the
+    model's bytes; else, when a write fails for lack of space, the same kind of line and no staging folder left."""
+    from shardtune.models.build import build_on_meta
+    from shardtune.models.presets import preset_config
+    from shardtune.models.tokenizer import load_tokenizer
+    from shardtune.models.weights import RandomInitSource, load_weights
+
+    cfg = preset_config("tiny-llama")
+    model = build_on_meta(cfg)
+    load_weights(model, RandomInitSource(0.02, seed=0), torch.device("cpu"))
+    needed = sum(p.numel() * 4 for p in model.parameters())  # fp32; a tied weight once
+    save = dict(dtype=torch.float32, max_shard_bytes=10**9, rank=0)
+    with small_tmpfs(tmp_path / "small", "1m") as disk:
+        with pytest.raises(ShardtuneError) as err:
+            save_hf_model(model, cfg, load_tokenizer(None), disk / "model", **save)
+        assert str(err.value).startswith(f"the model was not written: {disk} has 1.0 MB free and the model takes ")
+        assert list(disk.iterdir()) == []
+    # Room for the tensors' bytes (the check passes), not for them with the file headers and shardtune's marker.
+    with small_tmpfs(tmp_path / "exact", str(-(-needed // 4096) * 4096)) as disk:
+        with pytest.raises(ShardtuneError) as err:
+            save_hf_model(model, cfg, load_tokenizer(None), disk / "model", **save)
+        assert str(err.value).startswith(f"the model was not written: no space left on the disk of {disk} (the "
+                                         "model takes ")
+        assert "\n" not in str(err.value) and list(disk.iterdir()) == []

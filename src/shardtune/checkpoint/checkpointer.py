@@ -20,13 +20,15 @@ from shardtune.checkpoint.formats import Format
 from shardtune.checkpoint.layout import (
     TRAINER_STATE,
     complete_checkpoints,
+    read_manifest,
     read_trainer_state,
     record_own,
     step_dir,
 )
 from shardtune.config import CheckpointConfig
-from shardtune.dist import DistContext
+from shardtune.dist import DistContext, first_problem
 from shardtune.errors import ShardtuneError
+from shardtune.fileio import disk_full, free_bytes, size_text, tree_bytes
 
 
 class Checkpointer:
@@ -38,6 +40,7 @@ class Checkpointer:
         self.fmt = fmt  # the backend's format (formats.make_format)
         self.write_hf_dir = hf_dir_writer  # callable(path): writes config.json + tokenizer (rank 0)
         self.pending: Future | None = None
+        self._inflight: tuple[int, Path] = (0, root)  # the step and temporary folder of the save last started
         self.staging: Future | None = None  # async: the copy to host memory still running
         self.last_saved_step = -1
         self.last_time = time.monotonic()
@@ -70,22 +73,48 @@ class Checkpointer:
         return False
 
     def save(self, step: int, backend: Any, trainer_state: dict[str, Any]) -> float:
-        """Write a checkpoint of `step`; returns the seconds the training loop was blocked."""
+        """Write a checkpoint of `step`; returns the seconds the training loop was blocked.
+
+        A full disk stops the run with one line (ShardtuneError, on every rank): before anything is written when
+        the free space is below the size of the newest checkpoint, else when a write fails for lack of space. The
+        partial checkpoint is removed; the earlier ones stay as they were."""
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time
         started = time.perf_counter()
         tmp = self.root / f".step-{step:08d}.tmp"
+        problem = None
         if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "rng").mkdir(parents=True)
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-            self.write_hf_dir(tmp / "hf")
-        _barrier()
+            problem = self._space_problem(step)
+            if problem is None:
+                try:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    (tmp / "rng").mkdir(parents=True)
+                    (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+                    self.write_hf_dir(tmp / "hf")
+                except Exception as err:
+                    if not disk_full(err):
+                        raise
+                    problem = self._no_space(step, tmp)
+        self._raise_if(first_problem(problem), step, tmp)  # also the barrier before the ranks write into tmp
         rng = tmp / "rng" / f"rank{self.ctx.rank}.safetensors"
-        _save_rng(rng, self.ctx.device)
-        record_own(tmp, [rng], self.ctx.rank, "rng")
+        problem = None
+        try:
+            _save_rng(rng, self.ctx.device)
+            record_own(tmp, [rng], self.ctx.rank, "rng")
+        except Exception as err:
+            if not disk_full(err):
+                raise
+            problem = self._no_space(step, tmp, clean=False)  # other ranks may be writing into tmp still
+        self._raise_if(first_problem(problem), step, tmp)
         info = {"step": step, "world_size": self.ctx.world, "format": self.fmt.name}
-        written = self.fmt.write(backend, tmp, step_dir(self.root, step), info)
+        self._inflight = (step, tmp)
+        try:
+            written = self.fmt.write(backend, tmp, step_dir(self.root, step), info)
+        except BaseException as err:  # every rank's write has ended (the format's write is collective)
+            # (DCP's CheckpointException is a BaseException.)
+            if not disk_full(err):
+                raise
+            raise ShardtuneError(self._no_space(step, tmp)) from None
         if written.done is None:  # written and in place already
             if self.ctx.is_main:
                 self._finish(None, started)
@@ -100,6 +129,51 @@ class Checkpointer:
         self.last_saved_step = step
         self.last_time = time.monotonic()
         return time.perf_counter() - t0
+
+    def _newest(self) -> tuple[Path, int] | None:
+        """The newest complete checkpoint and its size in bytes (its manifest's files), or None."""
+        found = complete_checkpoints(self.root)
+        manifest = read_manifest(found[-1]) if found else None
+        if manifest is None:
+            return None
+        return found[-1], sum(int(f["size"]) for f in manifest["files"].values())
+
+    def _space_problem(self, step: int) -> str | None:
+        """Rank 0, before a save: the refusal when the free space is below the size of the newest checkpoint (the
+        next one is about as large: the same tensors). None when it fits, or with no checkpoint to go by."""
+        newest = self._newest()
+        free = free_bytes(self.root)
+        if newest is None or free is None or free >= newest[1]:
+            return None
+        return (f"checkpoint of step {step} not written: {self.root} has {size_text(free)} free and a checkpoint "
+                f"of this run takes about {size_text(newest[1])} (the size of {newest[0].name}); {self._fix(newest)}")
+
+    def _no_space(self, step: int, tmp: Path, clean: bool = True) -> str:
+        """The line for a write that failed on a full disk; rank 0 removes the partial checkpoint when `clean` (no
+        rank writes into it any more)."""
+        written = tree_bytes(tmp) if self.ctx.is_main else 0
+        if self.ctx.is_main and clean:
+            shutil.rmtree(tmp, ignore_errors=True)
+        newest = self._newest()
+        size = (f"a checkpoint of this run takes about {size_text(newest[1])} (the size of {newest[0].name})"
+                if newest else f"it needs more than the {size_text(written)} written before the disk filled"
+                if written else "its size is not known yet")
+        return (f"checkpoint of step {step} not written: no space left on the disk of {self.root} ({size}; "
+                f"{size_text(free_bytes(self.root))} free without the partial checkpoint, which was removed); "
+                f"{self._fix(newest)}")
+
+    def _fix(self, newest: tuple[Path, int] | None) -> str:
+        if newest is None:
+            return "free space there, or set checkpoint.dir to a larger disk; no complete checkpoint yet"
+        return (f"free space there, lower checkpoint.keep_last (now {self.cfg.keep_last}) or set checkpoint.dir to "
+                f"a larger disk; {newest[0]} is intact: --resume auto continues from it")
+
+    def _raise_if(self, problem: str | None, step: int, tmp: Path) -> None:
+        if problem is None:
+            return
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ShardtuneError(problem)
 
     def before_update(self) -> float:
         """Call before the optimizer changes parameters: waits for an async save's staging copy.
@@ -133,7 +207,12 @@ class Checkpointer:
         self.before_update()
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending.result()
+            try:
+                pending.result()
+            except BaseException as err:  # an async save's write failed; on rank 0 it was not put in place
+                if not disk_full(err):
+                    raise
+                raise ShardtuneError(self._no_space(*self._inflight)) from None
 
     def close(self) -> None:
         """Wait for the save in flight, then free what the format kept (async buffers, a writer process)."""

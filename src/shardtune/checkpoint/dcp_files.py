@@ -10,10 +10,12 @@ its non-tensor entries with torch.load(weights_only=True).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import pickle
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ from shardtune.checkpoint.layout import finalize, record_own
 from shardtune.config import CheckpointConfig
 from shardtune.dist import DistContext
 from shardtune.errors import ShardtuneError
+from shardtune.fileio import disk_full
 
 # Each rank writes its shards as this many files, from as many threads (DCP's default is one file, one thread).
 WRITE_THREADS = 4
@@ -301,11 +304,27 @@ class ManifestWriter(FileSystemWriter):
     def __init__(self, tmp: Path, final: Path, info: dict[str, Any]) -> None:
         super().__init__(str(tmp), thread_count=WRITE_THREADS)
         self.tmp, self.final, self.info = tmp, final, info
+        _catch_writer_threads()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        """Write this rank's files, then checksum them here: rank 0's finish reads no other rank's files."""
-        written = super().write_data(plan, planner)
-        results = written.wait()
+        """Write this rank's files, then checksum them here: rank 0's finish reads no other rank's files.
+
+        A failure in any of DCP's writer threads fails the save (DCP itself only prints it, and would go on with
+        that thread's files missing or cut short), and a full disk is raised as ENOSPC: torch's zip writer turns it
+        into "unexpected pos", and DCP passes every rank's failure on as text."""
+        _take_thread_errors()  # a failed earlier save's threads
+        try:
+            written = super().write_data(plan, planner)
+            results = written.wait()
+        except Exception as err:
+            _take_thread_errors()
+            if not disk_full(err):
+                raise
+            raise _enospc(err) from err
+        if failed := _take_thread_errors():
+            if not disk_full(failed[0]):
+                raise failed[0]
+            raise _enospc(failed[0]) from failed[0]
         rank = self.rank if self.rank is not None else int(plan.storage_data.prefix.strip("_"))  # "__R_"
         names = sorted({r.storage_data.relative_path for r in results})
         record_own(self.tmp, [self.tmp / name for name in names], rank, "dcp")
@@ -314,3 +333,37 @@ class ManifestWriter(FileSystemWriter):
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
         finalize(self.tmp, self.final, self.info)
+
+
+_WRITER_THREAD = "(_write_files_from_queue)"  # how Python names DCP's writer threads: "Thread-N (target)"
+_thread_errors: list[BaseException] = []
+_thread_errors_lock = threading.Lock()
+
+
+def _catch_writer_threads() -> None:
+    """Keep DCP writer threads' exceptions for write_data (instead of a traceback on stderr); others as before."""
+    previous = threading.excepthook
+    if getattr(previous, "shardtune", False):
+        return
+
+    def hook(args: Any) -> None:
+        if args.thread is not None and args.thread.name.endswith(_WRITER_THREAD) and args.exc_value is not None:
+            with _thread_errors_lock:
+                _thread_errors.append(args.exc_value)
+        else:
+            previous(args)
+
+    hook.shardtune = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
+def _take_thread_errors() -> list[BaseException]:
+    with _thread_errors_lock:
+        taken = list(_thread_errors)
+        _thread_errors.clear()
+    return taken
+
+
+def _enospc(err: BaseException) -> OSError:
+    """A full disk as a plain OSError(ENOSPC), whose text says so wherever DCP passes it on."""
+    return OSError(errno.ENOSPC, f"No space left on device ({type(err).__name__}: {str(err)[:200]})")

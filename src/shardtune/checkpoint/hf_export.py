@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.checkpoint.outdir import staged
-from shardtune.fileio import full_tensor, write_safetensors
+from shardtune.dist import first_problem
+from shardtune.errors import ShardtuneError
+from shardtune.fileio import disk_full, free_bytes, full_tensor, size_text, write_safetensors
 from shardtune.models.build import write_config
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,14 +66,44 @@ def save_hf_model(module: nn.Module, hf_config: Any, tokenizer: Any, out_dir: st
             return None
         return full.to("cpu", dtype if full.is_floating_point() else full.dtype).contiguous()
 
+    sizes = [(n, _nbytes(t, dtype)) for n, t in tensors.items()]
+    needed = sum(size for _, size in sizes)
+    # A full disk: refused before the gathers when the model cannot fit, else when a write fails; on every rank.
+    problem = first_problem(_space_problem(out_dir, "model", needed) if rank == 0 else None)
+    if problem:
+        raise ShardtuneError(problem)
     try:
         with stage as tmp:
-            write_safetensors(tmp, [(n, _nbytes(t, dtype)) for n, t in tensors.items()], fetch, max_shard_bytes)
+            write_safetensors(tmp, sizes, fetch, max_shard_bytes)
             if rank == 0:
                 write_config(module, hf_config, tokenizer, tmp, dtype)
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
+    except Exception as err:
+        if not disk_full(err):
+            if dist.is_initialized():
+                dist.barrier()
+            raise
+        problem = _no_space(out_dir, "model", needed)
+    problem = first_problem(problem)  # also the barrier every rank ends with
+    if problem:
+        raise ShardtuneError(problem)
+
+
+def _space_problem(out_dir: Path, kind: str, needed: int) -> str | None:
+    free = free_bytes(out_dir.parent)
+    if free is None or free >= needed:
+        return None
+    return (f"the {kind} was not written: {out_dir.parent} has {size_text(free)} free and the {kind} takes "
+            f"{size_text(needed)}; {_SPACE_FIX}")
+
+
+def _no_space(out_dir: Path, kind: str, needed: int) -> str:
+    """The line for a write that failed on a full disk (its staging folder is removed by then)."""
+    return (f"the {kind} was not written: no space left on the disk of {out_dir.parent} (the {kind} takes "
+            f"{size_text(needed)}, {size_text(free_bytes(out_dir.parent))} free); {_SPACE_FIX}")
+
+
+_SPACE_FIX = ("free space there, or write it to a larger disk (`shardtune export CHECKPOINT DIR` writes it from a "
+              "checkpoint)")
 
 
 def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int,
@@ -90,12 +122,20 @@ def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: An
     if not state or not all(t.numel() for t in state.values()):
         # The empty-adapter failure users hit with ZeRO-3 + PEFT (peft #2892): never write one.
         raise RuntimeError(f"the adapter state is empty ({len(state or {})} tensors); refusing to save it")
-    with staged(out_dir, "adapter", source, overwrite=overwrite) as tmp:
-        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = model.peft_config["default"]
-        config.base_model_name_or_path = base_model
-        config.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),
-                                                       "parameters": sum(t.numel() for t in state.values())}))
+    needed = sum(t.numel() * t.element_size() for t in state.values())
+    if problem := _space_problem(Path(out_dir), "adapter", needed):  # rank 0 alone writes: no one to agree with
+        raise ShardtuneError(problem)
+    try:
+        with staged(out_dir, "adapter", source, overwrite=overwrite) as tmp:
+            save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            config = model.peft_config["default"]
+            config.base_model_name_or_path = base_model
+            config.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),
+                                                           "parameters": sum(t.numel() for t in state.values())}))
+    except Exception as err:
+        if not disk_full(err):
+            raise
+        raise ShardtuneError(_no_space(Path(out_dir), "adapter", needed)) from None

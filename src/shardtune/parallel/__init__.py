@@ -65,6 +65,21 @@ def memory_fixes(p: ParallelConfig, world: int) -> list[str]:
     return fixes
 
 
+def host_memory_fixes(cfg: Config, gpus: int) -> list[str]:
+    """Overrides that lower a run's host (CPU) memory, for the line after the kernel's out-of-memory killer ended
+    a worker: what this config keeps in host memory first, then the generic ones."""
+    t, p = cfg.train, cfg.parallel
+    fixes = []
+    if p.offload != "none":
+        fixes.append(f"parallel.offload=none or parallel.offload_nvme_path=DIR ({p.offload} states are held in host "
+                     "memory)" if p.offload_nvme_path is None else "parallel.offload=none")
+    if cfg.checkpoint.async_save:
+        fixes.append("checkpoint.async=false (its buffers hold a host copy of every rank's shards)")
+    if not gpus and isinstance(t.micro_batch_size, int) and t.micro_batch_size > 1:  # on CPU, activations too
+        fixes.append(f"train.micro_batch_size={t.micro_batch_size // 2} train.grad_accum={t.grad_accum * 2}")
+    return [*fixes, "fewer processes on this node (--nproc)", "a node with more memory"]
+
+
 def check_strategy(p: ParallelConfig) -> None:
     """Strategy, offload and NVMe settings that contradict each other whatever the backend."""
     if p.shard_size != "auto" and p.strategy != "hsdp":

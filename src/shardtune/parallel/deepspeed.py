@@ -53,6 +53,8 @@ class DeepSpeedBackend:
         self.module: nn.Module = nn.Module()
         self.engine: Any = None
         self.attn_implementation = "sdpa"
+        self.skip_nonfinite = True  # the loop sets train.skip_nonfinite (validate refuses false above stage 0)
+        self._skipped_here = False  # the last step()'s update was skipped by this backend (stage 0)
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -129,15 +131,36 @@ class DeepSpeedBackend:
 
     def step(self) -> torch.Tensor:
         self._grad_norm_before_step = self._replica_grad_norm() if self.stage == 0 else 0.0
-        self.engine.step()  # at the boundary: reduce, unscale, clip, optimizer step, zero grads
+        # ZeRO stages 1-3 skip an update whose gradient norm is not finite themselves (fp32, and bf16 with
+        # check_grad_overflow, DeepSpeed's default); stage 0 hands the gradients to the torch optimizer as they are.
+        # Its gradients are replicas by now, so every rank decides alike. The engine still takes its step (its
+        # counters, zeroing the gradients) with the optimizer's own step a no-op: weights and optimizer state stay
+        # as they were, as FSDP2 leaves them.
+        self._skipped_here = (self.stage == 0 and self.skip_nonfinite and self.precision != "fp16"
+                              and not bool(torch.isfinite(torch.as_tensor(self._grad_norm_before_step))))
+        optimizer = self.engine.optimizer
+        if self._skipped_here:
+            optimizer.step = lambda *args, **kwargs: None  # shadows the method for this one call
+        try:
+            self.engine.step()  # at the boundary: reduce, unscale, clip, optimizer step, zero grads
+        finally:
+            if self._skipped_here:
+                del optimizer.step
         norm = self.engine.get_global_grad_norm()
         if norm is None:  # stage 0 in fp32 clips without keeping the norm: the reduced grads are replicas
             norm = self._grad_norm_before_step
         return torch.as_tensor(norm, dtype=torch.float32).detach()
 
     @property
+    def step_skipped(self) -> bool:
+        """The last step left the weights as they were because its gradients were not finite (counted by the loop,
+        as FSDP2's). fp16's overflows are its loss scaler's routine, as under FSDP2: not counted."""
+        return self.precision != "fp16" and (self._skipped_here or not self.engine.was_step_applied())
+
+    @property
     def step_applied(self) -> bool:
-        return bool(self.engine.was_step_applied())  # an fp16 overflow skips the update
+        # An fp16 overflow holds the LR schedule; a skipped non-finite step advances it, as under FSDP2.
+        return bool(self.engine.was_step_applied()) or self.step_skipped
 
     def _replica_grad_norm(self) -> torch.Tensor | float:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -257,6 +280,10 @@ def check(cfg: Config, world: int | None = None, device: str | None = None) -> N
         raise ShardtuneError("parallel.offload_nvme_path: NVMe offload needs libaio for DeepSpeed's async I/O op; "
                              "install it (apt-get install libaio-dev, or yum install libaio-devel), or remove "
                              "offload_nvme_path to offload to CPU memory")
+    if not cfg.train.skip_nonfinite and p.strategy != "ddp":
+        raise ShardtuneError(f"train.skip_nonfinite: false, but DeepSpeed's ZeRO optimizer (parallel.strategy="
+                             f"{p.strategy}) always skips a step whose gradients are not finite; remove the setting "
+                             "(the default skips and counts such steps), or use parallel.backend=fsdp2")
     if p.strategy == "zero3" and p.compile:
         raise ShardtuneError("parallel.compile: torch.compile is not supported with DeepSpeed zero3 here (its "
                              "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "

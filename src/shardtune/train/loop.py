@@ -7,6 +7,7 @@ import json
 import math
 import os
 import resource
+import signal
 import statistics
 import time
 from collections import deque
@@ -48,6 +49,9 @@ SPIKE_WINDOW = 50  # steps whose median loss a spike is measured against
 TEST_NAN_ENV = "SHARDTUNE_TEST_NAN_STEPS"
 # Tests only: raise torch.OutOfMemoryError at the start of this step (CPU runs cannot run out of GPU memory).
 TEST_OOM_ENV = "SHARDTUNE_TEST_OOM_STEP"
+# Tests only: "RANK:STEP": that rank SIGKILLs itself at the start of that step, as the kernel's out-of-memory killer
+# would.
+TEST_SIGKILL_ENV = "SHARDTUNE_TEST_SIGKILL"
 
 
 @dataclass
@@ -339,6 +343,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         run.profiler.before(step + 1)
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
     _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
+    if os.environ.get(TEST_SIGKILL_ENV) == f"{ctx.rank}:{step + 1}":
+        os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get(TEST_OOM_ENV) == str(step + 1):
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({TEST_OOM_ENV})")
     normalizer = global_target_tokens(micro, ctx.device)
