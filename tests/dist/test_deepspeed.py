@@ -68,6 +68,16 @@ def test_zero3_partitions_parameters_and_stage2_does_not(results):
     assert two["zero2:ds"]["ds_fraction"] is None  # ZeRO-2 keeps whole parameters
 
 
+def test_zero3_loads_one_decoder_block_at_a_time(results):
+    # README: "ZeRO-3 is loaded one decoder block at a time ... so no process holds the whole model". At every read
+    # of a weight, the worker summed the parameter bytes the model held in full (tests/dist/worker.py LoadProbe):
+    # one block while the blocks load (each partitioned before the next gets storage), then the embeddings and norm.
+    for load in results[1]["zero3:ds"]["load"]:
+        blocks, whole = load["block_bytes"], load["model_bytes"]
+        assert len(blocks) == 4 and load["bytes_read"] > 0
+        assert max(blocks) <= load["peak_full_bytes"] <= max(*blocks, whole - sum(blocks)) < whole / 3
+
+
 def test_bf16_close_to_fp32(results):
     ref, two = results
     assert max_diff(ref["ddp"]["losses"], two["zero3:ds:bf16"]["losses"]) < 2e-2

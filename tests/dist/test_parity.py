@@ -98,6 +98,22 @@ def test_sharded_safetensors_dir_loads_the_same_weights_as_the_preset(results):
     assert two["zero3:dir"]["losses"] == two["zero3"]["losses"]
 
 
+def test_each_rank_reads_only_its_rows_of_each_tensor(results, tiny_model_dir):
+    # README (Models): "each rank reads only its own rows of each tensor straight from the safetensors files".
+    # The worker counts the bytes of the rows the weight source returned to each rank (tests/dist/worker.py LoadProbe).
+    from safetensors import safe_open
+
+    whole = 0
+    for file in tiny_model_dir.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            whole += sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118 - not a dict
+    loads = results[1]["zero3:dir"]["load"]
+    assert len(loads) == 2
+    assert sum(load["bytes_read"] for load in loads) == whole  # every row read once, by one rank
+    for load in loads:
+        assert load["bytes_read"] == pytest.approx(whole / 2, rel=0.01)  # its half, not the whole file
+
+
 @pytest.mark.parametrize("variant", PACKED)
 def test_packed_trajectory_matches_unsharded_packed(results, variant):
     # Packed rows (document mask, positions restarting per example) through every strategy:

@@ -12,7 +12,8 @@ was on (`Probe`: block recomputes, activation dtypes, document masks; compiled g
 optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor sharded on dim 0, and the
 largest logit difference between the trained (sharded) model and the Hugging Face directory it exported,
 reloaded with transformers, and the run's communication accounting (summary.json's `comm`) with the
-model's element counts. Results go to OUT_DIR/results.json. One launch for many variants:
+model's element counts; for every rank, what its load read and the most it materialised at once (`LoadProbe`,
+around the run's weight source). Results go to OUT_DIR/results.json. One launch for many variants:
 start-up costs ~3 s per launch on CPU.
 """
 
@@ -25,8 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+import shardtune.train.loop
+from shardtune.assemble import BuiltModel, assemble
 from shardtune.config import config_from_dict
 from shardtune.data import Batch
 from shardtune.dist import clean_exit, init_distributed
@@ -127,6 +131,55 @@ class Probe:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _full_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters that hold their whole tensor in memory now: not on the meta device (not given storage
+    yet) and not DeepSpeed ZeRO-3 placeholders (an empty tensor, the rank's partition in ds_tensor). A DTensor counts
+    its local shard."""
+    total = 0
+    for p in {id(p): p for p in module.parameters()}.values():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if not local.is_meta and type(local) in (torch.Tensor, torch.nn.Parameter):  # NF4 weights: their own type
+            total += local.untyped_storage().nbytes()
+    return total
+
+
+class LoadProbe:
+    """The run's weight source, observed: every read goes to it unchanged. Records the bytes of the rows each read
+    returned (safetensors maps the file and hands out views into it, so what a rank reads from disk is the pages of
+    the rows it asked for and copied) and, at each read, the parameter bytes held in full by the model
+    (`_full_bytes`): the most it materialised at once while loading. The model's own sizes on the meta device
+    (fp32): whole, and per decoder block."""
+
+    def __init__(self, built: BuiltModel) -> None:
+        self.source, self.model = built.source, built.model
+        self.bytes_read = 0
+        self.peak_full_bytes = 0
+        meta = {id(p): p.numel() * p.element_size() for p in built.model.parameters()}
+        self.model_bytes = sum(meta.values())
+        self.block_bytes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in built.blocks]
+
+    def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
+        rows = self.source.rows(name, shape, start, stop)
+        self.bytes_read += rows.numel() * rows.element_size()
+        self.peak_full_bytes = max(self.peak_full_bytes, _full_bytes(self.model))
+        return rows
+
+    def facts(self) -> dict[str, object]:
+        return {"bytes_read": self.bytes_read, "peak_full_bytes": self.peak_full_bytes,
+                "model_bytes": self.model_bytes, "block_bytes": self.block_bytes}
+
+
+PROBES: list[LoadProbe] = []
+
+
+def _probed_assemble(*args: object, **kwargs: object) -> BuiltModel:
+    """The run's own assemble, with its weight source observed by a LoadProbe (appended to PROBES)."""
+    built = assemble(*args, **kwargs)
+    PROBES.append(LoadProbe(built))
+    built.source = PROBES[-1]
+    return built
 
 
 def nf4_params(module: torch.nn.Module) -> int:
@@ -253,6 +306,7 @@ def logged_fields(output_dir: str) -> dict[str, object]:
 def main() -> None:
     out, accum, variants = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     ctx = init_distributed()
+    shardtune.train.loop.assemble = _probed_assemble  # observes the weight source; loads through it unchanged
     results = {}
     nvme_dir = out / "nvme"  # DeepSpeed's swap folder for optimizer states (one subfolder per rank)
     if any("nvme" in v.split(":") for v in variants):
@@ -269,10 +323,14 @@ def main() -> None:
                      *(["log.profile={start: 2, steps: 2}"] if variant == "zero3" else []),
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
         probe, graphs = Probe(), compiled_graphs()
+        PROBES.clear()
         try:
             result = run_training(config_from_dict(BASE, overrides), ctx)
         finally:
             probe.close()
+        # What each rank's load read (rank order): a collective, so every rank joins for every variant.
+        loads: list[dict[str, object]] = [{}] * ctx.world
+        dist.all_gather_object(loads, PROBES[0].facts())
         summary, backend = result.summary, result.backend
         engine = getattr(backend, "engine", None)
         results[variant] = {"losses": summary["losses"], "grad_norms": summary["grad_norms"], **probe.facts(),
@@ -283,7 +341,7 @@ def main() -> None:
                             "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module),
                             "dtypes": param_dtypes(backend.module), "comm": summary["comm"],
                             "numel": model_numel(backend.module), "logged": logged_fields(summary["output_dir"]),
-                            "output_dir": summary["output_dir"]}
+                            "output_dir": summary["output_dir"], "load": loads}
         if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
             from safetensors.torch import load_file
 
