@@ -8,6 +8,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import typing
 from pathlib import Path
@@ -450,7 +451,46 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if raw is None:
         raise ConfigError(f"config file {str(p)!r} is empty; it needs at least a model and a data section, as in "
                           "examples/tiny.yaml")
+    if isinstance(raw, dict):
+        # Paths written in the file mean the same from any folder the command runs in; overrides typed in the
+        # shell (applied after this) stay relative to the current directory.
+        raw = map_paths(raw, lambda v: v if os.path.isabs(v) or v.startswith("~") else
+                        os.path.normpath(os.path.join(p.parent, v)))
     return config_from_dict(raw, overrides)
+
+
+# Keys that name files or folders, per section. A relative one in a config file is read against the file's folder.
+PATH_KEYS: dict[str, tuple[str, ...]] = {
+    "model": ("path",), "data": ("train_file", "eval_file", "cache_dir", "chat_template"),
+    "parallel": ("offload_nvme_path",), "train": ("output_dir",), "checkpoint": ("dir", "resume"),
+}
+
+
+def _is_path(section: str, key: str, value: Any) -> bool:
+    if not isinstance(value, str) or not value:
+        return False
+    if (section, key) == ("checkpoint", "resume"):
+        return value != "auto"
+    if (section, key) == ("data", "chat_template"):  # else a name: auto, tokenizer, chatml, ...
+        return value.endswith(".jinja") or "/" in value
+    return True
+
+
+def map_paths(raw: dict[str, Any], fn: typing.Callable[[str], str]) -> dict[str, Any]:
+    """A copy of a raw config mapping with `fn` applied to every path value (PATH_KEYS, data.sources[].path)."""
+    out = dict(raw)
+    for section, keys in PATH_KEYS.items():
+        body = out.get(section)
+        if not isinstance(body, dict):
+            continue
+        body = out[section] = dict(body)
+        for key in keys:
+            if _is_path(section, key, body.get(key)):
+                body[key] = fn(body[key])
+        if section == "data" and isinstance(body.get("sources"), list):
+            body["sources"] = [{**src, "path": fn(src["path"])} if isinstance(src, dict) and
+                               _is_path("data", "path", src.get("path")) else src for src in body["sources"]]
+    return out
 
 
 def _refuse_duplicate_keys(node: yaml.Node | None, path: str, where: str = "", done: set[int] | None = None) -> None:
@@ -480,5 +520,8 @@ def _refuse_duplicate_keys(node: yaml.Node | None, path: str, where: str = "", d
 
 
 def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML, every default written out."""
-    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)
+    """The resolved config as YAML, every default written out, paths absolute (the file means the same wherever
+    it is copied: a run's config.yaml, the Python API's temporary file)."""
+    raw = map_paths(cfg.model_dump(mode="json", by_alias=True), lambda v: v if v.startswith("~") else
+                    os.path.abspath(v))
+    return yaml.safe_dump(raw, sort_keys=False)

@@ -148,11 +148,46 @@ def test_an_empty_config_file_says_so(tmp_path, text):
 
 
 def test_dump_round_trips(tmp_path):
-    cfg = config_from_dict(BASE, ["train.lr=0.001", "optim.betas=[0.8, 0.9]"])
+    cfg = config_from_dict(BASE, ["train.lr=0.001", "optim.betas=[0.8, 0.9]", f"train.output_dir={tmp_path / 'run'}",
+                                  f"data.train_file={ROOT / 'examples' / 'data' / 'tasks.jsonl'}"])
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
     assert yaml.safe_load(path.read_text())["train"]["lr"] == 0.001
+
+
+def test_relative_paths_in_a_file_are_read_from_its_folder(tmp_path, monkeypatch):
+    """As YAML-driven tools do: the config means the same from any directory; what is typed in the shell
+    (overrides) stays relative to the current directory."""
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "t.jsonl").write_text('{"text": "a"}\n')
+    (folder / "c.yaml").write_text(
+        "model: {path: models/base}\n"
+        "data: {sources: [{path: data/t.jsonl}, {path: /abs/s.jsonl}], cache_dir: cache, chat_template: t.jinja}\n"
+        "train: {output_dir: ../runs/x}\ncheckpoint: {dir: ckpt, resume: auto}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(folder / "c.yaml", ["checkpoint.dir=typed"])
+    assert Path(cfg.data.sources[0].path).read_text() == '{"text": "a"}\n'
+    assert cfg.data.sources[0].path == str(folder / "data" / "t.jsonl")
+    assert cfg.data.sources[1].path == "/abs/s.jsonl"
+    assert (cfg.model.path, cfg.data.cache_dir, cfg.data.chat_template) == (
+        str(folder / "models" / "base"), str(folder / "cache"), str(folder / "t.jinja"))
+    assert cfg.train.output_dir == str(tmp_path / "runs" / "x")
+    assert (cfg.checkpoint.dir, cfg.checkpoint.resume) == ("typed", "auto")  # the override: cwd-relative
+    # A relative config path gives paths relative to the current directory, still beside the file.
+    monkeypatch.chdir(tmp_path)
+    one = load_config("project/c.yaml", ["data.train_file=mine.jsonl", "data.sources=[]", "data.chat_template=chatml"])
+    assert (one.data.train_file, one.data.cache_dir, one.data.chat_template) == (
+        "mine.jsonl", "project/cache", "chatml")
+    # A run's config.yaml holds absolute paths: it means the same wherever it is read from.
+    dumped = tmp_path / "elsewhere" / "config.yaml"
+    dumped.write_text(dump_config(one))
+    again = load_config(dumped)
+    assert (again.data.train_file, again.data.cache_dir) == (str(tmp_path / "mine.jsonl"),
+                                                             str(folder / "cache"))
 
 
 def test_parse_size():

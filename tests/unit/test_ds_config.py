@@ -142,7 +142,8 @@ def test_extra_may_repeat_derived_keys_with_the_same_value():
 
 def test_deepspeed_section_from_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("model: {preset: tiny-llama}\ndata: {train_file: examples/data/tasks.jsonl}\n"
+    # Paths beside the file: a dumped config holds them absolute, so the two compare equal.
+    path.write_text("model: {preset: tiny-llama}\ndata: {train_file: tasks.jsonl}\ntrain: {output_dir: run}\n"
                     "parallel: {backend: deepspeed}\n"
                     "deepspeed:\n  zero_optimization:\n    reduce_bucket_size: 5e8\n    sub_group_size: 1e9\n")
     cfg = load_config(path, ["deepspeed.zero_optimization.stage3_prefetch_bucket_size=2e7",

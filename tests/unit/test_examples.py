@@ -25,7 +25,7 @@ def test_the_shipped_chat_set_is_what_the_generator_writes(tmp_path: Path):
 @pytest.mark.parametrize("path", GPU_EXAMPLES, ids=lambda p: p.name)
 def test_gpu_examples_pack_the_chat_set_with_flex_attention(path: Path):
     cfg = load_config(str(path))
-    assert cfg.data.train_file == "examples/data/chat_long.jsonl" and cfg.data.packing
+    assert cfg.data.train_file == str(CHAT) and cfg.data.packing
     assert cfg.model.attn_implementation == "flex_attention"
     assert cfg.train.eval_batches == "auto"
 
