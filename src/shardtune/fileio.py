@@ -111,6 +111,29 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards
 
 
+def umask() -> int:
+    """The process's file-creation mask, read without changing it (os.umask can only swap it, which would leave
+    files that another thread creates meanwhile world-writable)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path | str,
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, with the file's mode what any other file gets (0666 less the umask): save_file
+    writes through a private temporary file and leaves mode 0600, which other users of a shared model folder
+    cannot read."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~umask())
+
+
 def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[str], torch.Tensor | None],
                       max_shard_bytes: int) -> None:
     """Write tensors, in order, into safetensors files of at most max_shard_bytes (+ index if several).
@@ -118,8 +141,6 @@ def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[
     `fetch(name)` gives the CPU tensor to write, or None on a rank that only joins the collectives;
     a rank that gets None for every tensor writes nothing.
     """
-    from safetensors.torch import save_file
-
     shards = plan_shards(sizes, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -130,7 +151,7 @@ def write_safetensors(out: Path, sizes: list[tuple[str, int]], fetch: Callable[[
         buf = {name: t for name in shard if (t := fetch(name)) is not None}
         if buf and failed is None:
             try:
-                save_file(buf, str(out / file), metadata={"format": "pt"})
+                save_safetensors(buf, out / file, metadata={"format": "pt"})
             except Exception as err:  # raised after the loop: the other ranks wait in fetch's gathers for this one
                 failed = err
             weight_map.update(dict.fromkeys(buf, file))

@@ -240,3 +240,23 @@ def test_a_model_that_does_not_fit_on_the_disk_is_one_line_and_leaves_nothing(tm
         assert str(err.value).startswith(f"the model was not written: no space left on the disk of {disk} (the "
                                          "model takes ")
         assert "\n" not in str(err.value) and list(disk.iterdir()) == []
+
+
+def _modes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): oct(p.stat().st_mode & 0o777) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_every_file_written_gets_the_umask_mode(run, tmp_path):
+    """safetensors' save_file leaves 0600 (a private temporary file renamed): a model folder others could not
+    read. Every file a run and an export write gets 0666 less the umask, as any other program's files."""
+    from shardtune.fileio import umask
+    from shardtune.models.init_model import init_model
+
+    usual = oct(0o666 & ~umask())
+    init_model(tmp_path / "base", "tiny-llama")
+    export_checkpoint(str(run), tmp_path / "adapter")
+    export_checkpoint(str(run), tmp_path / "merged", merge_lora=True, dtype="fp32")
+    for folder in (run, tmp_path):
+        modes = _modes(folder)
+        assert any(name.endswith(".safetensors") for name in modes), modes
+        assert {name: mode for name, mode in modes.items() if mode != usual} == {}, usual

@@ -236,12 +236,12 @@ def _barrier() -> None:
 
 
 def _save_rng(path: Path, device: torch.device) -> None:
-    from safetensors.torch import save_file
+    from shardtune.fileio import save_safetensors
 
     states = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
-    save_file(states, str(path))
+    save_safetensors(states, path)
 
 
 def _load_rng(path: Path, device: torch.device) -> None:

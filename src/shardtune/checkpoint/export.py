@@ -94,7 +94,7 @@ _ADAPTER_NAME = re.compile(r"\.default(?=\.weight$|$)")
 
 def export_adapter(path: Path, out: Path, *, overwrite: bool = False) -> Path:
     """A LoRA checkpoint -> a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
-    from safetensors.torch import save_file
+    from shardtune.fileio import save_safetensors
 
     # Adapter tensors only: FSDP2 checkpoints written before shardtune dropped every name of a frozen
     # parameter also hold the frozen, tied LM head (base_model.model.lm_head.weight), which is no adapter.
@@ -103,7 +103,7 @@ def export_adapter(path: Path, out: Path, *, overwrite: bool = False) -> Path:
     if not state:
         raise ShardtuneError(f"{path}: the checkpoint holds no adapter tensors")
     with staged(out, "adapter", str(path), overwrite=overwrite) as tmp:
-        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         for f in (path / "hf").iterdir():
             if f.name.startswith(("adapter_config", "tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(f, tmp / f.name)

@@ -22,7 +22,7 @@ from torch import nn
 from shardtune.checkpoint.outdir import staged
 from shardtune.dist import first_problem
 from shardtune.errors import ShardtuneError
-from shardtune.fileio import disk_full, free_bytes, full_tensor, size_text, write_safetensors
+from shardtune.fileio import disk_full, free_bytes, full_tensor, save_safetensors, size_text, write_safetensors
 from shardtune.models.build import write_config
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -112,8 +112,6 @@ def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: An
     """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors),
     with shardtune's marker naming `source`, under the rule of checkpoint/outdir.py (`overwrite`: the
     user's --overwrite)."""
-    from safetensors.torch import save_file
-
     from shardtune.peft.lora import adapter_state
 
     state = adapter_state(model, rank, gather)
@@ -127,7 +125,7 @@ def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: An
         raise ShardtuneError(problem)
     try:
         with staged(out_dir, "adapter", source, overwrite=overwrite) as tmp:
-            save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            save_safetensors(state, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
             config = model.peft_config["default"]
             config.base_model_name_or_path = base_model
             config.save_pretrained(str(tmp))
