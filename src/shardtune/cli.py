@@ -368,7 +368,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.emit == "deepspeed":
             _emit_deepspeed(cfg, world)
         else:
-            _emit_accelerate(cfg, hf_config, world)
+            from shardtune.launch import local_gpu_count
+
+            _emit_accelerate(cfg, hf_config, world, cpu=args.gpu is None and local_gpu_count() == 0)
         return 0
     plan = _plan(cfg, hf_config, args, world)
     if args.json:
@@ -458,12 +460,12 @@ def _emit_deepspeed(cfg: Any, world: int) -> None:
     print(hint, file=sys.stderr)
 
 
-def _emit_accelerate(cfg: Any, hf_config: Any, world: int) -> None:
+def _emit_accelerate(cfg: Any, hf_config: Any, world: int, *, cpu: bool) -> None:
     import yaml
 
     from shardtune.parallel.ds_config import for_accelerate
 
-    out, notes = for_accelerate(cfg, world, lambda: block_class(hf_config, cfg.model.attn_implementation))
+    out, notes = for_accelerate(cfg, world, lambda: block_class(hf_config, cfg.model.attn_implementation), cpu=cpu)
     print(yaml.safe_dump(out, sort_keys=False), end="")
     for note in notes:
         print(note, file=sys.stderr)

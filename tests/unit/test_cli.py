@@ -375,3 +375,23 @@ def test_the_api_function_survives_an_import_of_the_train_subpackage():
     with pytest.raises(ShardtuneError, match="zero4"):  # the API's own check, before any process starts
         shardtune.train(TINY, ["parallel.strategy=zero4"])
     assert inspect.signature(shardtune.api.train).parameters.keys() >= {"overrides", "nproc", "output_dir"}
+
+
+def test_emit_accelerate_without_a_gpu_says_use_cpu_and_that_fsdp_needs_gpus(cli):
+    """use_cpu: false on a machine without GPUs made accelerate fall back, silently, to unsharded training."""
+    import torch
+    import yaml
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without GPUs")
+    proc = cli("plan", TINY, "parallel.strategy=zero3", "--emit", "accelerate")
+    assert proc.returncode == 0, proc.stderr
+    out = yaml.safe_load(proc.stdout)
+    assert out["use_cpu"] is True and "gpu_ids" not in out and out["distributed_type"] == "FSDP"
+    note = [line for line in proc.stderr.splitlines() if "use_cpu" in line]
+    assert len(note) == 1 and "accelerate's FSDP and DeepSpeed need GPUs" in note[0] and "--gpu TYPE" in note[0]
+    ddp = cli("plan", TINY, "parallel.strategy=ddp", "--emit", "accelerate")
+    assert yaml.safe_load(ddp.stdout)["distributed_type"] == "MULTI_CPU" and "need GPUs" not in ddp.stderr
+    for_gpus = cli("plan", TINY, "parallel.strategy=zero3", "--emit", "accelerate", "--gpu", "h100")
+    out = yaml.safe_load(for_gpus.stdout)
+    assert out["use_cpu"] is False and out["gpu_ids"] == "all" and "use_cpu" not in for_gpus.stderr

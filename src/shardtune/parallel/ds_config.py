@@ -149,13 +149,25 @@ def for_trainer(cfg: Config, world: int) -> tuple[dict, str]:
     return ds, hint
 
 
-def for_accelerate(cfg: Config, world: int, block_class: Callable[[], str]) -> tuple[dict, list[str]]:
+def for_accelerate(cfg: Config, world: int, block_class: Callable[[], str], *,
+                   cpu: bool = False) -> tuple[dict, list[str]]:
     """`shardtune plan --emit accelerate`: the accelerate config and notes for stderr. `block_class` names the
-    model's decoder block, asked for only when FSDP wraps each block."""
+    model's decoder block, asked for only when FSDP wraps each block. `cpu`: for a machine without GPUs."""
     p = cfg.parallel
     block = block_class() if p.backend == "fsdp2" and p.strategy != "ddp" else None
     out = accelerate_config(p, cfg.train, world, block, None, max_grad_norm=cfg.optim.max_grad_norm)
     notes = []
+    if cpu:
+        # use_cpu: false on a machine without GPUs left accelerate to fall back, silently, to one unsharded copy.
+        out["use_cpu"] = True
+        del out["gpu_ids"]
+        if out["distributed_type"] == "MULTI_GPU":
+            out["distributed_type"] = "MULTI_CPU"
+        sharded = "" if out["distributed_type"] == "MULTI_CPU" else (
+            "; accelerate's FSDP and DeepSpeed need GPUs: on CPU it trains one unsharded copy per process "
+            "(shardtune train shards on CPU too)")
+        notes.append(f"# note: no GPU here, so use_cpu: true{sharded}; --gpu TYPE writes the config for a GPU "
+                     "machine")
     if p.backend == "deepspeed" and cfg.deepspeed:
         notes.append("# note: the deepspeed section has no inline accelerate form; use `--emit deepspeed > ds.json` "
                      "and deepspeed_config: {deepspeed_config_file: ds.json}")
