@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     v = sub.add_parser("validate", help="check a config, its model and data without training")
-    v.add_argument("config")
-    v.add_argument("overrides", nargs="*")
+    v.add_argument("config", help="YAML config file")
+    v.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-4")
     v.add_argument("--nproc", type=_nproc, default=None, help="processes (GPUs) on this node (int or auto)")
     v.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
     _hardware_flags(v)
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="predict per-GPU memory and tokens/s for every way to run a config, and pick "
                                      "the fastest that fits; --emit a DeepSpeed (HF Trainer) or accelerate config")
     pl.add_argument("config", nargs="?", help="YAML config file (not needed with --check)")
-    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. parallel.strategy=zero2")
     pl.add_argument("--nproc", type=_nproc, default=None, help="processes (GPUs) per node (int or auto)")
     pl.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
     _hardware_flags(pl)
@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="section.key=value overrides, passed to every node")
     s.add_argument("--nodes", default=None, help="nodes in the job")
     s.add_argument("--gpus-per-node", default=None, help="GPUs (processes) per node")
-    s.add_argument("--partition", default=None)
+    s.add_argument("--partition", default=None, help="Slurm partition (sbatch --partition)")
     s.add_argument("--time", default=None, help="time limit, sbatch's form (e.g. 4:00:00)")
-    s.add_argument("--account", default=None)
+    s.add_argument("--account", default=None, help="Slurm account to charge (sbatch --account)")
     s.add_argument("--output-dir", default=None, help="run directory on shared storage (overrides "
                                                       "train.output_dir)")
     s.add_argument("--submit", action="store_true", help="write the script to OUTPUT_DIR/slurm.sbatch and run "
@@ -106,19 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_slurm)
 
     m = sub.add_parser("init-model", help="write a random-init Hugging Face model directory for a preset")
-    m.add_argument("out_dir")
-    m.add_argument("--preset", required=True)
+    m.add_argument("out_dir", help="folder to write (config.json, tokenizer, model.safetensors)")
+    m.add_argument("--preset", required=True, help="built-in shape: tiny-llama, llama-3.2-1b, llama-3-8b, ...")
     m.add_argument("--config-only", action="store_true", help="write config.json and tokenizer, no weights")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random init (as model.seed; default 0)")
+    m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
     m.set_defaults(func=cmd_init_model)
 
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     e.add_argument("checkpoint", help="a checkpoint (step-NNNNNNNN) or a run directory (its newest checkpoint)")
-    e.add_argument("out_dir")
+    e.add_argument("out_dir", help="folder to write the Hugging Face model (or PEFT adapter) into")
     e.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
                    help="auto = fp32 for fp32 runs, else bf16")
-    e.add_argument("--max-shard-size", default="5GB")
+    e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
     e.add_argument("--merge-lora", action="store_true",
                    help="LoRA checkpoint: write the base model with the adapter merged in (else the adapter alone)")
     e.add_argument("--overwrite", action="store_true",

@@ -395,3 +395,18 @@ def test_emit_accelerate_without_a_gpu_says_use_cpu_and_that_fsdp_needs_gpus(cli
     for_gpus = cli("plan", TINY, "parallel.strategy=zero3", "--emit", "accelerate", "--gpu", "h100")
     out = yaml.safe_load(for_gpus.stdout)
     assert out["use_cpu"] is False and out["gpu_ids"] == "all" and "use_cpu" not in for_gpus.stderr
+
+
+def test_every_option_and_argument_of_every_command_has_help():
+    """`shardtune validate --help` listed its arguments with no word on them; this catches the next one too."""
+    import argparse
+
+    from shardtune.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert len(commands) >= 8
+    bare = [f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
+            for name, sub in commands.items() for action in sub._actions
+            if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()]
+    assert bare == []
