@@ -27,7 +27,7 @@ def _train_args(tmp: Path, out: Path) -> list[str]:
     data = tmp / "rows.jsonl"
     if not data.exists():
         rows = (ROOT / "examples" / "data" / "tasks.jsonl").read_text().splitlines()[:96]
-        data.write_text("\n".join(rows) + "\n")
+        data.write_text("\n".join([*rows, '{"prompt": "no completion"}', "not json"]) + "\n")  # 2 bad rows
     return ["train", TINY, "--nproc", "1", "--output-dir", str(out), f"data.train_file={data}",
             "data.eval_fraction=0.1", "train.max_steps=1", "train.eval_batches=1", "log.progress=false",
             f"data.cache_dir={tmp / 'cache'}", "peft.method=lora"]
@@ -54,6 +54,7 @@ def run(tmp_path_factory):
     _foreign(out / "adapter")
     proc = run_cli(*_train_args(tmp, out), "--overwrite")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (tmp / "train.stderr").write_text(proc.stderr)  # for test_train_reports_the_bad_rows_it_skipped
     return out
 
 
@@ -260,3 +261,12 @@ def test_every_file_written_gets_the_umask_mode(run, tmp_path):
         modes = _modes(folder)
         assert any(name.endswith(".safetensors") for name in modes), modes
         assert {name: mode for name, mode in modes.items() if mode != usual} == {}, usual
+
+
+def test_train_reports_the_bad_rows_it_skipped(run):
+    """As validate does: one line at the start of training with the count per reason (not silent skipping)."""
+    lines = [line for line in (run.parent / "train.stderr").read_text().splitlines()
+             if line.startswith("data: skipped")]
+    assert len(lines) == 1, lines
+    assert "2 bad rows in " in lines[0] and "rows.jsonl" in lines[0] and "shardtune validate" in lines[0]
+    assert lines[0].count("1 ") >= 2  # one of each reason

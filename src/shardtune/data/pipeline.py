@@ -47,6 +47,24 @@ class SourceReport:
     eval_examples: int = 0
 
 
+def skipped_line(reports: list[SourceReport]) -> str | None:
+    """One line for the run log: the bad rows skipped (count per reason) and the examples dropped, per source;
+    None when nothing was. `shardtune validate` prints the same counts with the first rows of each reason."""
+    parts = []
+    for r in reports:
+        if r.bad_rows:
+            total = sum(v["count"] for v in r.bad_rows.values())
+            reasons = ", ".join(f"{v['count']:,} {reason}" for reason, v in r.bad_rows.items())
+            parts.append(f"{total:,} bad row{'s' if total != 1 else ''} in {r.path} ({reasons})")
+        if r.dropped_no_loss:
+            parts.append(f"{r.dropped_no_loss:,} examples of {r.path} with no loss token within seq_len")
+        if r.dropped_too_long:
+            parts.append(f"{r.dropped_too_long:,} examples of {r.path} longer than seq_len (data.truncation: drop)")
+    if not parts:
+        return None
+    return f"data: skipped {'; '.join(parts)}; `shardtune validate` names the first rows of each"
+
+
 @dataclass
 class _Part:
     """A source's usable examples: the store and the (index, length) of each one within seq_len."""

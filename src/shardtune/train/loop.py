@@ -27,7 +27,7 @@ from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.checkpoint.runlock import lock_run_dir
 from shardtune.config import Config, TrainConfig, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
-from shardtune.data.pipeline import DataBundle, build_data
+from shardtune.data.pipeline import DataBundle, build_data, skipped_line
 from shardtune.dist import DistContext, all_gather_floats, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
 from shardtune.fileio import jsonable
@@ -324,6 +324,8 @@ def _print_start(run: Run) -> None:
               f"{run.ctx.world} x {run.ctx.device.type}, {run.total_steps} steps of {run.sampler.global_batch} "
               "sequences")
     log.print(data_line(run.data))
+    if skipped := skipped_line(run.data.reports):  # as validate reports them: a skip is never silent
+        log.print(skipped)
     t, world = cfg.train, run.ctx.world
     cap = eval_batch_cap(t, run.total_steps)
     if len(run.data.eval) and cap < eval_num_batches(len(run.data.eval), t.micro_batch_size, world):
