@@ -218,8 +218,9 @@ def test_builtin_templates_render_like_the_real_ones(tok):
 
 
 @pytest.mark.parametrize(("template", "train_on", "expected"), [
-    ("chatml", "assistant", ["cba<|im_end|>", "XY<|im_end|>\n</s>"]),
-    ("chatml", "completion", ["XY<|im_end|>\n</s>"]),
+    # The newline after the last <|im_end|> carries no loss, as after the first; the appended eos does.
+    ("chatml", "assistant", ["cba<|im_end|>", "XY<|im_end|>", "</s>"]),
+    ("chatml", "completion", ["XY<|im_end|>", "</s>"]),
     ("chatml", "all", [CHATML_TEXT + "</s>"]),
     ("llama3", "assistant", ["cba<|eot_id|>", "XY<|eot_id|></s>"]),
     ("llama3", "completion", ["XY<|eot_id|></s>"]),
@@ -307,10 +308,10 @@ def test_chat_opening_with_assistant(tok):
 
 def test_messages_as_json_string_and_null_keys(tok):
     row = {"messages": '[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]'}
-    assert trained(tok, row, spec("messages", template="chatml")) == ["a<|im_end|>\n</s>"]
+    assert trained(tok, row, spec("messages", template="chatml")) == ["a<|im_end|>", "</s>"]
     row = {"messages": [{"role": "user", "content": "q", "name": None},
                         {"role": "assistant", "content": "a", "tool_calls": None}]}
-    assert trained(tok, row, spec("messages", template="chatml")) == ["a<|im_end|>\n</s>"]
+    assert trained(tok, row, spec("messages", template="chatml")) == ["a<|im_end|>", "</s>"]
 
 
 # ---------------------------------------------------------------- bad rows

@@ -19,8 +19,9 @@ Token-level rules, the same for every format (`RowEncoder`):
   conversations: unless the rendered text, trailing whitespace aside, ends with the eos token, as zephyr's or
   an instruct tokenizer's own template does). The appended eos belongs to the last segment: it carries loss
   when that segment does (always for text, prompt_completion and alpaca; for a conversation when it ends with
-  a trainable assistant turn, or with ``train_on: all``), and then so does any whitespace between that turn's
-  end marker and the eos. Chat templates end a turn with their own marker (``<|im_end|>``, ``<|eot_id|>``);
+  a trainable assistant turn, or with ``train_on: all``). The whitespace a template writes after a turn's end
+  marker carries no loss, after the last turn as after the others (with ``train_on: all`` everything does).
+  Chat templates end a turn with their own marker (``<|im_end|>``, ``<|eot_id|>``);
   the eos after it teaches a base model to stop even where generation stops only at eos.
 * Prompt and completion are encoded separately (``add_special_tokens=False``) and concatenated, so the loss
   boundary is exact. A conversation is rendered once and tokenized once with offsets; a token carries loss
@@ -43,7 +44,7 @@ from shardtune.config import DEFAULT_FIELDS, SourceConfig
 from shardtune.data.types import BadRow
 
 # Bump when the encoding rules change, so cached tokens of the old rules are not reused.
-ENCODER_VERSION = 1
+ENCODER_VERSION = 2  # 2: no loss on the whitespace between the last turn's end marker and the eos
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
     "prompt_completion": ("prompt", "completion"),
@@ -228,12 +229,8 @@ class RowEncoder:
             else:
                 ids, mask = [bos, *ids], [False, *mask]
         if self.spec.add_eos and eos is not None and not ends_with_eos and not (ids and ids[-1] == eos):
-            if eos_trainable and any(mask):
-                # The eos continues the last segment: whatever lies between it and the eos carries loss too.
-                k = len(mask) - 1
-                while not mask[k]:
-                    mask[k] = True
-                    k -= 1
+            # The eos carries loss where the last segment does; what lies between them (the newline a chat
+            # template writes after its end-of-turn marker) does not, as after every earlier turn.
             ids, mask = [*ids, eos], [*mask, eos_trainable]
         return ids, mask
 
