@@ -10,6 +10,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from shardtune.errors import error_chain
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -72,19 +74,13 @@ _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote w
 
 def lost_peer(err: BaseException) -> str | None:
     """The line of `err` (or of an error it came from) that says another process of the run is gone, else None."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        text = f"{type(e).__name__}: {e}"
-        for line in text.splitlines():
+    for e in error_chain(err):
+        for line in f"{type(e).__name__}: {e}".splitlines():
             if any(marker in line for marker in _LOST_PEER):
                 return line.strip()[:300]
-        todo += [e.__cause__, e.__context__]
     return None
+
+
 def first_problem(problem: str | None) -> str | None:
     """Collective (and a barrier): the first rank's `problem` (a one-line message, or None) on every rank, so that
     a failure one rank met (its disk filled up) stops every rank at the same point, none left waiting in a

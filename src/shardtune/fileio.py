@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from shardtune.errors import error_chain
+
 
 def jsonable(obj: Any) -> Any:
     """Scalars held as tensors (a tensor learning rate, as torchao's AdamW8bit keeps) -> Python numbers."""
@@ -51,19 +53,8 @@ def disk_full(err: BaseException) -> bool:
     """Whether `err`, or an error it came from, says the disk (or quota) is full. Libraries wrap the OSError:
     torch's zip writer raises "unexpected pos" with the ENOSPC as its context, DCP re-raises every rank's failure
     as text in a CheckpointException."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
-            return True
-        if any(text in str(e) for text in _NO_SPACE_TEXTS):
-            return True
-        todo += [e.__cause__, e.__context__]
-    return False
+    return any((isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS) or any(t in str(e) for t in _NO_SPACE_TEXTS)
+               for e in error_chain(err))
 
 
 def tree_bytes(path: Path) -> int:

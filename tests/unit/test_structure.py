@@ -25,7 +25,8 @@ LAYERS: list[set[str]] = [
     {"data"},
     {"config"},
     {"cluster"},  # launch files for clusters (text only)
-    {"dist", "errors", "fileio", "metrics", "launch", "runtime"},
+    {"dist", "fileio", "metrics", "launch", "runtime"},
+    {"errors"},  # exception types and error_chain, stdlib only: dist and fileio read wrapped errors with it
     {"stop"},  # signal flags and handlers, stdlib only: launch (the launcher's side) imports it
 ]
 # Known exceptions, each with its reason.
