@@ -1,9 +1,12 @@
 """LoRA / QLoRA throughput and memory: shardtune vs Hugging Face Trainer + PEFT (+ bitsandbytes).
 
     python bench/peft_bench.py --size 8b --runs lora:1,qlora:1,lora:2,qlora:2 --baselines lora:1,qlora:1
+    python bench/peft_bench.py --size 8b --runs lora:1,lora:1:lg --baselines lora:1,lora:1:lg --steps 40
     python bench/peft_bench.py --size tiny --runs lora:2,qlora:2 --baselines lora:1     # CPU plumbing
 
-A run is METHOD:NPROC[:c] (c: parallel.compile=true, each decoder block compiled).
+A run is METHOD:NPROC[:c][:lg] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
+model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline).
+Every step is timed (shardtune log.every=1); rows are the median over the steps after --warmup with min-max.
 shardtune: the preset of --size, long random text (full rows), seq 2048,
 micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
 Baselines: bench/hf_trainer_baseline.py (HF Trainer + PEFT, gradient checkpointing; QLoRA through
@@ -15,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,52 +31,63 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
 
 
 def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int,
-                  compile_blocks: bool = False) -> dict:
+                  compile_blocks: bool = False, liger: bool = False, warmup: int = 10) -> dict:
     preset, seq, prec = PRESETS[size]
-    tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "")
+    tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + ("_lg" if liger else "")
     run_dir = out / f"st_{tag}"
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
            f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
-           f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}", "log.every=2",
+           f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}", "log.every=1",
            "log.progress=false", "checkpoint.save_final=false", "checkpoint.at_end=false",
            "parallel.strategy=zero3", "parallel.activation_checkpointing=full", f"peft.method={method}",
-           "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}", f"parallel.compile={compile_blocks}"]
+           "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}", f"parallel.compile={compile_blocks}",
+           f"model.liger={str(liger).lower()}"]
     proc = _run(cmd)
     (out / f"st_{tag}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    result = {"who": "shardtune", "method": method + ("+compile" if compile_blocks else ""), "nproc": nproc,
+    result = {"who": "shardtune", "method": _label(method, compile_blocks, liger), "nproc": nproc,
               "rc": proc.returncode}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"loss"' in x][2:]
-        if recs:
-            result.update(tokens_per_s_per_gpu=statistics.median(r["tokens_per_sec_per_device"] for r in recs),
+        recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"loss"' in x]
+        timed = [r for r in recs if r.get("step", 0) > warmup]
+        if timed:
+            tps = [r["tokens_per_sec_per_device"] for r in timed]
+            result.update(tokens_per_s_per_gpu=statistics.median(tps), tokens_per_s_per_gpu_min=min(tps),
+                          tokens_per_s_per_gpu_max=max(tps), steps_timed=len(tps),
                           peak_alloc_gib=max(r["peak_mem_gib"] for r in recs),
                           peak_reserved_gib=max(r["peak_reserved_gib"] for r in recs))
     return result
 
 
-def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs: int) -> dict:
+def _label(method: str, compile_blocks: bool, liger: bool) -> str:
+    return method + ("+compile" if compile_blocks else "") + ("+liger" if liger else "")
+
+
+def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs: int, liger: bool = False,
+                 warmup: int = 10) -> dict:
     seq = PRESETS[size][1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "bench" / "hf_trainer_baseline.py"), "--mode", method, "--size", size, "--seq", str(seq),
-           "--mbs", str(mbs), "--steps", str(steps)]
-    proc = _run(cmd)
-    (out / f"hf_{method}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    result = {"who": "hf_peft", "method": method, "nproc": nproc, "rc": proc.returncode}
+           "--mbs", str(mbs), "--steps", str(steps), "--warmup", str(warmup)]
+    proc = _run(cmd, env={**os.environ, "HF_LIGER": "1" if liger else "0"})
+    (out / f"hf_{_label(method, False, liger)}_{nproc}.log").write_text(" ".join(cmd) + "\n" + proc.stdout
+                                                                         + proc.stderr)
+    result = {"who": "hf_peft", "method": _label(method, False, liger), "nproc": nproc, "rc": proc.returncode}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if lines:
         r = json.loads(lines[-1][len("RESULT "):])
-        result.update(tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], peak_alloc_gib=r["peak_alloc_gib"],
-                      peak_reserved_gib=r["peak_reserved_gib"])
+        result.update({k: r.get(k) for k in ("tokens_per_s_per_gpu", "tokens_per_s_per_gpu_min",
+                                             "tokens_per_s_per_gpu_max", "steps_timed", "peak_alloc_gib",
+                                             "peak_reserved_gib")})
     return result
 
 
 TIMEOUT = 300.0  # per run (--timeout): a stuck run is recorded as rc 124 and the rest go on
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=TIMEOUT)
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=TIMEOUT, env=env)
     except subprocess.TimeoutExpired as err:
         def text(b: bytes | str | None) -> str:
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
@@ -79,12 +95,13 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + "\nTIMEOUT")
 
 
-def _pairs(spec: str) -> list[tuple[str, int, bool]]:
-    """'lora:1,qlora:2:c' -> [('lora', 1, False), ('qlora', 2, True)] (c: compile each block)."""
+def _pairs(spec: str) -> list[tuple[str, int, bool, bool]]:
+    """'lora:1,qlora:2:c:lg' -> [('lora', 1, False, False), ('qlora', 2, True, True)] (c: compile each
+    block; lg: Liger-Kernel)."""
     out = []
     for item in filter(None, spec.split(",")):
         method, n, *flags = item.split(":")
-        out.append((method, int(n), "c" in flags))
+        out.append((method, int(n), "c" in flags, "lg" in flags))
     return out
 
 
@@ -94,6 +111,10 @@ def main() -> None:
     ap.add_argument("--runs", default="lora:1,qlora:1")
     ap.add_argument("--baselines", default="lora:1,qlora:1")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds for the whole script (0: none); a run "
+                    "starts only while more than --min-run seconds remain")
+    ap.add_argument("--min-run", type=float, default=90.0)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--out", default="/tmp/shardtune_peft")
     ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per run")
@@ -111,24 +132,45 @@ def main() -> None:
             [("shardtune", *job) for job in _pairs(args.runs)])
     if args.first == "shardtune":
         jobs.sort(key=lambda j: j[0] != "shardtune")
-    for who, method, n, compile_blocks in jobs:
+    start = time.monotonic()
+    for who, method, n, compile_blocks, liger in jobs:
+        left = args.budget - (time.monotonic() - start)
+        if args.budget and left < args.min_run:
+            print(f"skipped {who} {_label(method, compile_blocks, liger)}: {left:.0f} s of the budget left")
+            continue
+        if args.budget:
+            globals()["TIMEOUT"] = min(args.timeout, left - 10)
         if who == "baseline":
-            results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs))
+            results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs, liger, args.warmup))
         else:
-            results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks))
+            results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks,
+                                         liger, args.warmup))
         print(json.dumps(results[-1]), flush=True)
         # Written after every run: a call that runs out of time still leaves what it measured.
         (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    print_table(results, args.size, seq, args.mbs, args.steps, args.warmup)
+
+
+def print_table(results: list[dict], size: str, seq: int, mbs: int, steps: int, warmup: int) -> None:
+    """Each row against HF + PEFT and HF + PEFT + Liger of the same method and GPU count (same call)."""
     base = {(r["method"], r["nproc"]): r.get("tokens_per_s_per_gpu") for r in results if r["who"] == "hf_peft"}
-    base |= {(m + "+compile", n): v for (m, n), v in base.items()}
-    print(f"\n{args.size}: seq {seq}, micro-batch {args.mbs}, activation checkpointing, LoRA r=16 on all projections")
-    print("| who | method | GPUs | rc | tokens/s/GPU | vs HF+PEFT | peak alloc GiB | peak reserved GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+
+    def ratio(r: dict, liger: bool) -> str:
+        method = r["method"].split("+")[0] + ("+liger" if liger else "")
+        tps, ref = r.get("tokens_per_s_per_gpu"), base.get((method, r["nproc"]))
+        return f"{tps / ref:.2f}" if tps and ref else "-"
+
+    print(f"\n{size}: seq {seq}, micro-batch {mbs}, activation checkpointing, LoRA r=16 on all projections; "
+          f"median tokens/s/GPU over steps {warmup + 1}-{steps} (min-max)")
+    print("| who | method | GPUs | rc | tokens/s/GPU (min-max) | vs HF+PEFT | vs HF+PEFT+Liger | peak alloc GiB "
+          "| peak reserved GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        tps, ref = r.get("tokens_per_s_per_gpu"), base.get((r["method"], r["nproc"]))
-        ratio = f"{tps / ref:.2f}" if tps and ref else "-"
-        print(f"| {r['who']} | {r['method']} | {r['nproc']} | {r['rc']} | {tps or 0:,.0f} | {ratio} | "
-              f"{r.get('peak_alloc_gib', 0):.1f} | {r.get('peak_reserved_gib', 0):.1f} |")
+        tps = r.get("tokens_per_s_per_gpu") or 0
+        spread = (f" ({r['tokens_per_s_per_gpu_min']:,.0f}-{r['tokens_per_s_per_gpu_max']:,.0f})"
+                  if r.get("tokens_per_s_per_gpu_min") else "")
+        print(f"| {r['who']} | {r['method']} | {r['nproc']} | {r['rc']} | {tps:,.0f}{spread} | {ratio(r, False)} | "
+              f"{ratio(r, True)} | {r.get('peak_alloc_gib') or 0:.1f} | {r.get('peak_reserved_gib') or 0:.1f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Issue 17, tables 2-3: Llama-3-8B shape, LoRA / QLoRA r=16 on all projections, 1 H200, seq 2048,
+# micro-batch 2, bf16, activation checkpointing; shardtune vs HF Trainer + PEFT (+ bitsandbytes for QLoRA)
+# with and without Liger, in one device call. Host side first: `bash bench/prepare.sh` (keeps liger_kernel
+# and bitsandbytes).
+#
+#   run tool: kind nvidia-h200, carry [".whl"], timeout_s 600, command: bash bench/table2.sh
+#
+# Knobs: RUNS and BASELINES (bench/peft_bench.py specs METHOD:NPROC[:c][:lg]), STEPS (40), WARMUP (10),
+# BUDGET (seconds for the whole script, 560), MBS (2), SIZE (8b).
+# Writes $OUT/peft_results.jsonl, $OUT/peft_table.md and $OUT/peft_logs.txt (every run's log, long ones cut).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-/tmp/bench_out}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "!! pip install of .whl failed"
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD/src || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+RUNS=${RUNS-lora:1,lora:1:lg} BASELINES=${BASELINES-lora:1:lg,lora:1}
+W=/tmp/shardtune_peft
+rm -rf "$W"
+python3 bench/peft_bench.py --size "${SIZE:-8b}" --runs "$RUNS" --baselines "$BASELINES" --first baselines \
+  --steps "${STEPS:-40}" --warmup "${WARMUP:-10}" --mbs "${MBS:-2}" --budget "${BUDGET:-560}" --timeout 240 \
+  --out "$W" | tee "$OUT/peft_table.md"
+cp "$W/peft_results.jsonl" "$OUT/" 2>/dev/null
+for f in "$W"/*.log; do
+  [ -f "$f" ] || continue
+  echo "=================== $(basename "$f")"
+  if [ "$(wc -l < "$f")" -le 300 ]; then cat "$f"; else head -n 60 "$f"; echo "[... cut ...]"; tail -n 200 "$f"; fi
+done > "$OUT/peft_logs.txt"
