@@ -12,7 +12,8 @@
 #   VARIANTS   shardtune runs, each (ddp|zero1|zero2|zero3)[c][_ac][_ds][_oo|_op]: c = parallel.compile=true,
 #              _ac = activation checkpointing, _ds = parallel.backend=deepspeed, _oo / _op = DeepSpeed
 #              offload of optimizer states / of parameters too. Default "zero2 zero3 zero2c zero3c" (CPU: "zero2 zero3")
-#              _lg = model.liger=true (Liger-Kernel; needs liger-kernel in .whl), e.g. zero2c_lg
+#              _lg = model.liger=true (Liger-Kernel; needs liger-kernel in .whl), e.g. zero2c_lg;
+#              _lgl = model.liger=loss (Liger's fused linear + cross-entropy only), e.g. zero2c_lgl
 #   BASELINES  hf_baseline.py modes: hf_ds2 hf_ds3 hf_fsdp fsdp2 fsdp2c hf_mismatch; or hft_ds2, hft_ds3,
 #              hft_ds2_liger, hft_ds3_liger: bench/hf_trainer_baseline.py --mode full (+ HF_LIGER=1), which
 #              reports the min-max of its timed steps too.
@@ -155,14 +156,15 @@ run_one() {  # name kind metrics_path cmd...
 
 run_variant() {
   local v=$1 strat comp=false ac=none backend=fsdp2 offload=none liger=false
-  if [[ "$v" =~ ^(ddp|zero1|zero2|zero3)(c?)(_ac)?(_ds)?(_oo|_op)?(_lg)?$ ]]; then
+  if [[ "$v" =~ ^(ddp|zero1|zero2|zero3)(c?)(_ac)?(_ds)?(_oo|_op)?(_lgl|_lg)?$ ]]; then
     strat=${BASH_REMATCH[1]}
     [ -n "${BASH_REMATCH[2]}" ] && comp=true
     [ -n "${BASH_REMATCH[3]}" ] && ac=full
     [ -n "${BASH_REMATCH[4]}" ] && backend=deepspeed
     [ "${BASH_REMATCH[5]}" = _oo ] && offload=optimizer
     [ "${BASH_REMATCH[5]}" = _op ] && offload=params
-    [ -n "${BASH_REMATCH[6]}" ] && liger=true
+    [ "${BASH_REMATCH[6]}" = _lg ] && liger=true
+    [ "${BASH_REMATCH[6]}" = _lgl ] && liger=loss
   else
     echo "== $v: unknown variant (use ddp, zero1, zero2, zero3 + optional c, _ac, _ds, _oo|_op, _lg: zero3_ds_oo)"
     echo "unknown variant $v" > "$W/$v.log"

@@ -29,9 +29,10 @@ class ModelConfig(_Section):
     preset: str | None = Field(None, description="Built-in shape with random init, e.g. tiny-llama (no files).")
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
     seed: int = Field(0, description="Seed of a preset's random init (same weights as `init-model --seed`).")
-    liger: bool | Literal["auto"] = Field(False, description="Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear "
-                                                             "+ cross-entropy (CUDA, liger-kernel installed); auto = "
-                                                             "on where it can run.")
+    liger: bool | Literal["auto", "loss"] = Field(
+        False, description="Liger-Kernel (CUDA, liger-kernel installed): true = its RMSNorm, RoPE and SwiGLU kernels "
+                           "and fused linear + cross-entropy; loss = the fused loss only; auto = where it can run, "
+                           "the fused loss only under parallel.compile (Inductor fuses the rest), else all.")
     trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (config.json "
                                                        "auto_map) with your permissions; only for code you have read.")
 

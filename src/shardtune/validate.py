@@ -133,11 +133,11 @@ def check_worker(cfg: Config, world: int) -> None:
 
     if not auto_keys(cfg):  # else the loop's planner resolves `auto`, and it picks only combinations that run
         check_combination(cfg, device=device_type())
-    if cfg.model.liger is True:
+    if cfg.model.liger is True or cfg.model.liger == "loss":
         from shardtune.models.build import load_hf_config
         from shardtune.models.liger import check_liger
 
-        check_liger(True, device_type(), load_hf_config(cfg.model).model_type)
+        check_liger(cfg.model.liger, device_type(), load_hf_config(cfg.model).model_type)
     check_resume(cfg, world)
 
 

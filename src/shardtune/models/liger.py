@@ -2,8 +2,11 @@
 model through Liger's own patching API, and its fused linear + cross-entropy, which never materialises the
 [tokens, vocab] logits (2 GiB of bf16 at Llama-3's 128k vocabulary, micro-batch 4, seq 2048).
 
-`model.liger`: false (default), auto (on when the run is on CUDA GPUs, liger-kernel is installed and the
-model type is one below), true (the same, refused before start when it cannot be).
+`model.liger`: false (default); true (the kernels and the fused loss, refused before start where they cannot
+run); loss (the fused loss only, refused likewise); auto (on when the run is on CUDA GPUs, liger-kernel is
+installed and the model type is one below: the fused loss only under `parallel.compile`, where Inductor fuses
+RMSNorm, RoPE and SwiGLU into the compiled blocks itself and Liger's kernels would only cut those graphs,
+else the kernels and the loss).
 
 shardtune computes its own loss (the sum of token losses, train/loss.py), so Liger's fused loss is not taken
 through HF's forward (Liger's `lce_forward` averages). Instead `install_fused_loss` gives the causal-LM
@@ -39,7 +42,7 @@ from shardtune.errors import ShardtuneError
 # Model types whose causal-LM module is `model` (the decoder) + `lm_head` with a plain final projection (no
 # logit soft-capping), and which Liger patches (liger_kernel.transformers.monkey_patch).
 LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-LigerSetting = bool | Literal["auto"]
+LigerSetting = bool | Literal["auto", "loss"]
 
 
 def liger_installed() -> bool:
@@ -48,16 +51,17 @@ def liger_installed() -> bool:
 
 def check_liger(setting: LigerSetting, device_type: str, model_type: str) -> None:
     """Refuse `model.liger: true` where it cannot run, in one line with the fix (auto and false never are)."""
-    if setting is not True:
+    if setting is not True and setting != "loss":
         return
+    key = "true" if setting is True else setting
     if device_type != "cuda":
-        raise ShardtuneError(f"model.liger: true needs CUDA GPUs (Liger's kernels are Triton) and this machine has "
+        raise ShardtuneError(f"model.liger: {key} needs CUDA GPUs (Liger's kernels are Triton) and this machine has "
                              f"{device_type} only; set model.liger=auto (on only on GPUs) or false")
     if model_type not in LIGER_MODEL_TYPES:
-        raise ShardtuneError(f"model.liger: true, but shardtune applies Liger only to {', '.join(LIGER_MODEL_TYPES)} "
+        raise ShardtuneError(f"model.liger: {key}, but shardtune applies Liger only to {', '.join(LIGER_MODEL_TYPES)} "
                              f"models and this one is {model_type!r}; set model.liger=false")
     if not liger_installed():
-        raise ShardtuneError("model.liger: true, but liger-kernel is not installed; pip install -e '.[liger]' "
+        raise ShardtuneError(f"model.liger: {key}, but liger-kernel is not installed; pip install -e '.[liger]' "
                              "(or liger-kernel), or set model.liger=auto or false")
 
 
@@ -66,6 +70,12 @@ def use_liger(setting: LigerSetting, device_type: str, model_type: str) -> bool:
     if setting is False:
         return False
     return device_type == "cuda" and model_type in LIGER_MODEL_TYPES and liger_installed()
+
+
+def liger_kernels_wanted(setting: LigerSetting, compiled: bool) -> bool:
+    """Whether Liger's RMSNorm, RoPE and SwiGLU go in (where use_liger holds): always for true, never for loss;
+    for auto only without parallel.compile (bench/RESULTS.md 2026-12-02: with compiled blocks they cost speed)."""
+    return setting is True or (setting == "auto" and not compiled)
 
 
 def apply_liger_kernels(causal_lm: nn.Module) -> None:

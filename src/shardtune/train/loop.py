@@ -238,17 +238,26 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
 def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: Any, backend: Backend) -> None:
     """model.liger: Liger's kernels swapped into the meta model (before compile and sharding), and its fused
     linear + cross-entropy as the loss where the backend computes it in the model's forward (FSDP2, DDP)."""
-    from shardtune.models.liger import apply_liger_kernels, install_fused_loss, liger_loss, use_liger
+    from shardtune.models.liger import (
+        apply_liger_kernels,
+        install_fused_loss,
+        liger_kernels_wanted,
+        liger_loss,
+        use_liger,
+    )
 
     if not use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type):
         return
-    apply_liger_kernels(built.base)
+    kernels = liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile)
+    if kernels:
+        apply_liger_kernels(built.base)
     fused = hasattr(backend, "fused_loss")
     if fused:
         install_fused_loss(built.base, liger_loss())
         backend.fused_loss = True
-    log_rank0(ctx.rank, "liger: RMSNorm, RoPE, SwiGLU kernels" + (", fused linear + cross-entropy loss" if fused
-                                                                  else " (the loss stays plain on this backend)"))
+    parts = (["RMSNorm, RoPE, SwiGLU kernels"] if kernels else []) + (
+        ["fused linear + cross-entropy loss"] if fused else ["the loss stays plain on this backend"])
+    log_rank0(ctx.rank, "liger: " + ", ".join(parts))
 
 
 def resume_point(cfg: Config, root: Path, ctx: DistContext) -> Path | None:
