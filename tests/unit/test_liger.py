@@ -78,15 +78,19 @@ def _batch(seed: int = 0) -> Batch:
 
 
 FUSED_CALLS = []
+NORM_IN_BACKWARD = []  # the final norm's weight type when the gradient reaches it (DTensor: resharded, freed)
+FUSED_MODEL = []
 
 
 def _counted(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """reference_fused_loss, counting its calls: the fused backend really took the fused path."""
     FUSED_CALLS.append(type(weight).__name__)  # a plain tensor under FSDP2: the root forward gathered it
+    if hidden.requires_grad:
+        hidden.register_hook(lambda g: NORM_IN_BACKWARD.append(type(FUSED_MODEL[0].model.norm.weight).__name__))
     return reference_fused_loss(weight, hidden, targets)
 
 
-def _tiny_backends(strategy: str):
+def _tiny_backends(strategy: str, *overrides: str):
     """Two FSDP2 backends (a gloo group of 1) over the same tiny-llama weights: the plain loss, the fused one."""
     from shardtune.assemble import assemble
     from shardtune.dist import init_distributed
@@ -95,7 +99,7 @@ def _tiny_backends(strategy: str):
     from shardtune.train.loss import token_loss_sum
     from shardtune.train.optim import OptimizerFactory
 
-    cfg = load_config(TINY, [f"parallel.strategy={strategy}", "parallel.nproc=1"])
+    cfg = load_config(TINY, [f"parallel.strategy={strategy}", "parallel.nproc=1", *overrides])
     ctx = init_distributed()
     hf_config = load_hf_config(cfg.model)
     out = []
@@ -105,21 +109,30 @@ def _tiny_backends(strategy: str):
         if fused:
             install_fused_loss(built.base, _counted)
             backend.fused_loss = True
+            FUSED_MODEL[:] = [built.base]
         backend.setup(built.model, built.blocks, built.source, OptimizerFactory(cfg.optim, cfg.train.lr))
         out.append(backend)
     return out
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "ddp"])
-def test_the_fused_loss_path_gives_the_plain_loss_and_gradients(strategy):
+@pytest.mark.parametrize("strategy, peft", [("zero2", "none"), ("zero3", "none"), ("ddp", "none"),
+                                            ("zero3", "lora"), ("zero2", "lora")])
+def test_the_fused_loss_path_gives_the_plain_loss_and_gradients(strategy, peft):
+    """Also with LoRA under zero3, where every root parameter (embedding, final norm, LM head) is frozen and
+    resharded after forward: only FSDP2's pre-backward hook on the model's output gathers them again for the
+    final norm's backward, so the fused path's output must be one FSDP2 sees into (on the GPU it read freed
+    memory: an illegal memory access in Liger's RMSNorm backward, bench/RESULTS.md 2026-12-02)."""
     try:
-        plain, fused = _tiny_backends(strategy)
+        plain, fused = _tiny_backends(strategy, f"peft.method={peft}")
         FUSED_CALLS.clear()
+        NORM_IN_BACKWARD.clear()
         batch = _batch()
         normalizer = torch.tensor(float((batch.labels[:, 1:] != -100).sum()))
         losses = [b.forward_backward(batch, normalizer) for b in (plain, fused)]
         assert float(losses[0]) == pytest.approx(float(losses[1]), abs=1e-6)
         assert FUSED_CALLS in (["Parameter"], ["Tensor"]), FUSED_CALLS  # once, on the gathered LM head
+        # The final norm's backward runs on gathered weights (CPU reads freed memory without complaint).
+        assert NORM_IN_BACKWARD in (["Parameter"], ["Tensor"]), NORM_IN_BACKWARD
         grads = [{n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                   for n, p in b.module.named_parameters()} for b in (plain, fused)]
         assert grads[0].keys() == grads[1].keys() and any("lm_head" in n or "embed" in n for n in grads[0])
@@ -130,6 +143,18 @@ def test_the_fused_loss_path_gives_the_plain_loss_and_gradients(strategy):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_fsdp2_sees_the_loss_in_the_fused_output():
+    """FSDP2 (torch 2.11) finds the tensors of a module's output with pytree and hooks the root's pre-backward
+    (which gathers the root's resharded parameters for backward) on them: the loss must be one of the leaves."""
+    from torch.utils._pytree import tree_flatten
+
+    from shardtune.models.liger import FusedLossOutput
+
+    loss = torch.ones((), requires_grad=True)
+    leaves, _ = tree_flatten(FusedLossOutput(loss=loss))
+    assert len(leaves) == 1 and leaves[0] is loss
 
 
 def test_the_fused_forward_shifts_labels_and_ignores_the_masked_ones():

@@ -105,6 +105,14 @@ class FusedLossOutput:
     loss: torch.Tensor  # the sum of next-token losses of the batch (fp32), as token_loss_sum returns
 
 
+# A pytree node, so FSDP2 finds the loss in the root's output and hooks its pre-backward there: that hook
+# gathers the root's parameters (embedding, final norm, LM head) again for backward after zero3 resharded them.
+# Without it (torch 2.11's FSDP2 flattens outputs with pytree, and a plain dataclass is a leaf) the final
+# norm's backward read freed memory: an illegal memory access on the GPU with LoRA under zero3 (bench/RESULTS.md
+# 2026-12-02).
+torch.utils._pytree.register_dataclass(FusedLossOutput)
+
+
 def install_fused_loss(causal_lm: nn.Module, loss_fn: Any) -> None:
     """Give `causal_lm` a forward that, called with `labels`, returns FusedLossOutput(loss=sum of next-token
     losses) from `loss_fn(lm_head_weight, hidden [N, H], shifted_targets [N])`, never the logits; without
