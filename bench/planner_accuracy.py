@@ -72,6 +72,19 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("1b-ds-zero3-oo-mb4", "1b-offload", [*ONE_B, "parallel.backend=deepspeed", "parallel.strategy=zero3",
                                               "parallel.offload=optimizer", "train.micro_batch_size=4"]),
     ],
+    # Liger (model.liger) rows, measured by bench/table1.sh and bench/table2.sh on 2026-12-02.
+    "d": [
+        ("1b-zero2-mb4-compile-liger", "1b-compile", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=4",
+                                                      "parallel.compile=true", "model.liger=true"]),
+        ("1b-zero2-mb4-compile-ligerloss", "1b-compile", [*ONE_B, "parallel.strategy=zero2",
+                                                          "train.micro_batch_size=4", "parallel.compile=true",
+                                                          "model.liger=loss"]),
+        ("1b-zero2-mb4-liger", "1b-s2048", [*ONE_B, "parallel.strategy=zero2", "train.micro_batch_size=4",
+                                            "model.liger=true"]),
+        ("8b-lora-mb2-ac-liger", "8b-lora", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
+                                             "train.micro_batch_size=2", "parallel.activation_checkpointing=full",
+                                             "model.liger=true"]),
+    ],
     "tiny": [
         ("tiny-zero2", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero2", "train.micro_batch_size=2",
                                 "train.seq_len=256"]),

@@ -18,8 +18,9 @@ if [ "${KEEP_ALL_WHEELS:-0}" != 1 ]; then
   # Needed here: deepspeed (+ hjson; its other requirements are on the device), pydantic, pydantic-core,
   # annotated-types, typing-inspection, typing_extensions (pydantic needs >= 4.16), liger_kernel (0.9 MB,
   # pure Python on the device's Triton: model.liger and HF_LIGER=1 in bench/table1.sh).
-  # bitsandbytes (trimmed to CPU + CUDA 13 by wheels.sh) stays: the HF + PEFT QLoRA baseline of bench/table2.sh.
-  for p in torchao datasets dill multiprocess typer shellingham; do
+  # bitsandbytes (trimmed to CPU + CUDA 13 by wheels.sh) and torchao stay: QLoRA in bench/table2.sh (HF + PEFT
+  # baseline: bitsandbytes; shardtune: torchao NF4).
+  for p in datasets dill multiprocess typer shellingham; do
     rm -f .whl/"$p"-*.whl
   done
 fi

@@ -92,6 +92,38 @@ def test_activation_terms_by_hand(one_b: ModelShape) -> None:
     assert compiled == 108_672 - 8 * 2048 - 2 * 8192
 
 
+def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
+    """model.liger's fused linear + cross-entropy: chunks of next_pow2(ceil(8192 / ceil(128256 / 2048))) = 256
+    rows of logits, the input's gradient and the tied head's fp32 gradient, not 11.7 GiB of logits. Measured
+    on one H200 (bench/RESULTS.md 2026-12-02, 1B full fine-tuning, zero2 + compile, micro-batch 4): peak 37.3
+    GiB without, 27.1 with: 10.2 GiB less; the planner's peak must drop by that within 10%."""
+    from shardtune.plan.memory import fused_loss_bytes
+
+    s = Setting(strategy="zero2", compile=True, micro_batch_size=4, seq_len=2048, fused_loss=True)
+    assert fused_loss_bytes(one_b, s) == 256 * 128256 * 6 + 8192 * 2048 * 2 + 4 * 128256 * 2048
+    assert logits_bytes(one_b, s) == fused_loss_bytes(one_b, s)
+    drop = gpu_memory(one_b, replace(s, fused_loss=False)).allocated - gpu_memory(one_b, s).allocated
+    assert drop / 2**30 == pytest.approx(10.2, rel=0.10)
+    # DeepSpeed keeps the plain loss; a frozen LM head (LoRA) has no gradient to keep.
+    assert logits_bytes(one_b, replace(s, backend="deepspeed")) == (2 * 2 + 8) * 128256 * 8192
+    assert fused_loss_bytes(one_b, replace(s, peft="lora")) == 256 * 128256 * 6 + 8192 * 2048 * 2
+
+
+def test_the_plan_counts_the_fused_loss_only_where_it_runs() -> None:
+    from conftest import ROOT
+
+    from shardtune.models.build import load_hf_config
+    from shardtune.plan import liger_applies
+    from shardtune.plan.hardware import GPUS
+
+    h200, cpu = GPUS["h200"], replace(GPUS["h200"], name="cpu")
+    for value, on_gpu in (("true", True), ("loss", True), ("false", False)):
+        cfg = load_config(str(ROOT / "examples" / "tiny.yaml"), [f"model.liger={value}"])
+        hf = load_hf_config(cfg.model)
+        assert liger_applies(cfg, hf, h200) is on_gpu
+        assert liger_applies(cfg, hf, cpu) is False
+
+
 def test_activation_formula_matches_autograds_saved_tensors() -> None:
     """Cross-check against PyTorch itself: the bytes autograd saves in one real decoder block (bf16, sdpa, on
     CPU), parameters and the cos/sin tables shared by every layer left out."""

@@ -192,7 +192,7 @@ def make_plan(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: 
     auto = auto_keys(cfg)
     targets = cfg.peft.target_modules if cfg.peft.target_modules != "auto" else None
     shape = model_shape(hf_config, targets, cfg.peft.r)
-    base = setting_from_config(cfg, world, per_node)
+    base = setting_from_config(cfg, world, per_node, liger=liger_applies(cfg, hf_config, hardware))
     mbs = MICRO_BATCHES if "train.micro_batch_size" in auto or all_micro_batches else None
     host = _host_capacity(hardware)
     result = search(shape, base, hardware, supported=supported_by(cfg), micro_batches=mbs, host_capacity=host)
@@ -201,6 +201,20 @@ def make_plan(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: 
         keep = [c for c in result.candidates if c.usable and _only(base, c.setting, free)]
         result.pick = max(keep, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if keep else None
     return Plan(hardware, shape, result, auto)
+
+
+def liger_applies(cfg: Any, hf_config: Any, hardware: Any) -> bool:
+    """Whether model.liger applies to the run on `hardware` (a GPU; the loop decides the same with
+    models.liger.use_liger on the machine it runs on): auto counts only where liger-kernel is installed here.
+    The DeepSpeed backend keeps the plain loss whatever this says (memory.logits_bytes)."""
+    from shardtune.models.liger import LIGER_MODEL_TYPES, liger_installed
+
+    setting = cfg.model.liger
+    if setting is False or getattr(hardware, "name", "") == "cpu":
+        return False
+    if getattr(hf_config, "model_type", "") not in LIGER_MODEL_TYPES:
+        return False
+    return setting is True or setting == "loss" or liger_installed()
 
 
 def _only(a: Setting, b: Setting, free: set[str]) -> bool:
@@ -313,7 +327,8 @@ def predict_run(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node
     targets = cfg.peft.target_modules if cfg.peft.target_modules != "auto" else None
     shape = model_shape(hf_config, targets, cfg.peft.r)
     capacity = hardware.memory_bytes * (1 - SAFETY_MARGIN)
-    return price(shape, setting_from_config(cfg, world, per_node), hardware, capacity, None)
+    setting = setting_from_config(cfg, world, per_node, liger=liger_applies(cfg, hf_config, hardware))
+    return price(shape, setting, hardware, capacity, None)
 
 
 def run_record(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: int) -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """Memory per GPU and per node, term by term (bytes).
 
-The peak of a training step comes in one of three phases, and each term is counted in the phases
+The peak of a training step comes in one of four phases, and each term is counted in the phases
 where it is alive:
 
-  forward end   model states + gathered parameters + every saved activation + the loss's logits
-                (the usual peak: activations are largest just before backward starts)
-  backward      model states + gathered parameters + gradients + the recomputed block (checkpointing)
-  optimizer     parameters + gradients + optimizer states
+  forward end     model states + gathered parameters + every saved activation + the loss's logits
+                  (the usual peak: activations are largest just before backward starts)
+  backward start  the same without the logits, with the first gradients (LM head, last block) and the
+                  recomputed block (checkpointing): the peak when a fused loss never makes the logits
+  backward end    model states + gathered parameters + every gradient + the recomputed block
+  optimizer       parameters + gradients + optimizer states
 
 Sources and derivations are in each function's docstring. Constants named in CAPITALS were fitted
 to measurements on one H200 (bench/RESULTS.md, "planner accuracy"); never to a single answer.
@@ -14,6 +16,7 @@ to measurements on one H200 (bench/RESULTS.md, "planner accuracy"); never to a s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shardtune.plan.setting import Setting
@@ -82,13 +85,13 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
       SwiGLU       gate/up input (ph), gate output, SiLU output, up output, product (4pf)  -> ph + 4pf
     Eager attention also keeps the fp32 softmax and its compute-dtype copy: (4 + p) x a x s.
     Compiled blocks fuse each norm (it saves its input, ph, instead of the fp32 copy: -8h) and SiLU * up
-    (the SiLU output is recomputed: -pf).
+    (the SiLU output is recomputed: -pf); Liger's RMSNorm and SwiGLU kernels save the same.
     Checked against autograd's saved tensors of a real block on CPU (tests/unit/test_plan.py)."""
     p, h, k, f, a = s.compute_bytes, m.hidden, m.kv_dim, m.ffn, m.heads
     total = 8 * h + 6 * p * h + 2 * p * k + 4 * p * f + 4 * a
     if s.attn == "eager":
         total += (4 + p) * a * s.seq_len
-    if s.compile:
+    if s.compile or s.liger_kernels:
         total -= 8 * h + p * f
     if s.backend == "fsdp2" and s.strategy == "ddp" and p != 4:
         # DDP's autocast leaves the residual stream in fp32 (the fp32 embedding's output): each norm keeps
@@ -108,10 +111,33 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     return m.layers * per_layer, 0.0
 
 
+def _first_gradients_share(m: ModelShape, s: Setting) -> float:
+    """The share of the gradients made first in backward: the LM head's (when it trains) and one block's."""
+    if s.peft != "none":
+        return 1.0 / m.layers
+    return ((m.head_params or m.embed_params) + m.block_params) / m.params
+
+
 def logits_bytes(m: ModelShape, s: Setting) -> float:
     """The LM head's output and the cross-entropy's buffers at the end of forward: (2p + 8) x V bytes per
-    token (compute-dtype logits and their shifted copy, the fp32 upcast, log-softmax's fp32 output)."""
+    token (compute-dtype logits and their shifted copy, the fp32 upcast, log-softmax's fp32 output); with
+    Liger's fused loss, its working set instead (fused_loss_bytes)."""
+    if s.fused_loss and s.backend == "fsdp2":
+        return fused_loss_bytes(m, s)
     return LOGITS_FACTOR * (2 * s.compute_bytes + 8) * m.vocab * s.tokens
+
+
+def fused_loss_bytes(m: ModelShape, s: Setting) -> float:
+    """Liger's fused linear + cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py) never holds the
+    [tokens, V] logits: it walks the tokens in chunks of next_pow2(ceil(T / ceil(V / h))) rows, each chunk's
+    logits in the compute dtype plus their fp32 gradient, and keeps the input's gradient (T x h, compute
+    dtype) and, when the LM head trains, the weight's (V x h, fp32 accumulation) from forward to backward.
+    1B shape, 8192 tokens: 1.2 GiB against 11.7 GiB of logits; measured on one H200, 10.2 GiB less peak."""
+    tokens = s.tokens
+    chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(m.vocab / m.hidden))))))
+    head_trains = s.peft == "none"
+    return (chunk * m.vocab * (s.compute_bytes + 4) + tokens * m.hidden * s.compute_bytes
+            + (4.0 * m.vocab * m.hidden if head_trains else 0.0))
 
 
 def packing_mask_bytes(s: Setting) -> float:
@@ -228,11 +254,18 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     grads_in_forward = s.grad_accum > 1 or (s.backend == "deepspeed" and s.strategy != "zero2")
     in_backward = {k: v for k, v in on_gpu.items() if k != "fp32_gradients"}  # made by the optimizer step
     base = {k: v for k, v in in_backward.items() if k != "gradients" or grads_in_forward}
+    # Backward frees each block's activations as it makes that block's gradients, so its peak is at one end:
+    # at the start every activation is alive with the LM head's gradient and the last block's; at the end
+    # every gradient with the first block's activations (kept, or recomputed under checkpointing).
+    first = {**base, "gradients": in_backward.get("gradients", 0.0) * _first_gradients_share(m, s)} \
+        if "gradients" in in_backward and not grads_in_forward else dict(in_backward)
     phases = {
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved, "logits": logits,
                         "buffers": buffers},
-        "backward": {**in_backward, "gathered_parameters": gathered, "activations": saved + recompute,
-                     "buffers": buffers},
+        "backward start": {**first, "gathered_parameters": gathered, "activations": saved + recompute,
+                           "buffers": buffers},
+        "backward end": {**in_backward, "gathered_parameters": gathered,
+                         "activations": recompute or saved / m.layers, "buffers": buffers},
         "optimizer": dict(on_gpu),
     }
     phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))

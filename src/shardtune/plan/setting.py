@@ -30,6 +30,8 @@ class Setting:
     attn: str = "sdpa"
     packing: bool = False
     async_checkpoint: bool = False
+    fused_loss: bool = False  # model.liger puts Liger's fused linear + cross-entropy in (FSDP2/DDP backends only)
+    liger_kernels: bool = False  # model.liger swaps Liger's RMSNorm, RoPE and SwiGLU into the blocks
     world: int = 1
     per_node: int = 1
     shard_size: int | None = None  # hsdp's group; None = per_node
@@ -78,8 +80,12 @@ class Setting:
                 "activation_checkpointing": self.activation_checkpointing, "micro_batch_size": self.micro_batch_size}
 
 
-def setting_from_config(cfg: Any, world: int, per_node: int) -> Setting:
-    """The Setting a Config describes; `auto` strategy / micro-batch take placeholders the search replaces."""
+def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = False) -> Setting:
+    """The Setting a Config describes; `auto` strategy / micro-batch take placeholders the search replaces.
+    `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
+    kernels go in as models.liger.liger_kernels_wanted says."""
+    from shardtune.models.liger import liger_kernels_wanted
+
     p, t = cfg.parallel, cfg.train
     return Setting(
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
@@ -87,5 +93,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int) -> Setting:
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,
-        packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save, world=world, per_node=per_node,
+        packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save, fused_loss=liger,
+        liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile), world=world,
+        per_node=per_node,
         shard_size=p.shard_size if isinstance(p.shard_size, int) else None)

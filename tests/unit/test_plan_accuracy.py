@@ -1,0 +1,57 @@
+"""The planner against every peak-memory measurement on record (bench/planner_accuracy_*.jsonl: real runs on one
+H200, each row named after its overrides in bench/planner_accuracy.py's MATRICES). The planner is a pure function
+of the config, so the landed code's predictions are recomputed here and must stay within 5% of what was measured,
+as README.md claims: a change to the memory model that breaks a measured row fails here, without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from conftest import ROOT
+
+from shardtune.config import load_config
+from shardtune.models.build import load_hf_config
+from shardtune.plan import predict_run
+from shardtune.plan.hardware import lookup
+
+# Rows the model does not explain yet, with their error: 8B LoRA + Liger's kernels and fused loss under
+# checkpointing peaks 2.6 GiB above the prediction (bench/RESULTS.md 2026-12-02; needs a memory snapshot).
+KNOWN_MISSES = {"8b-lora-mb2-ac-liger": 0.15}
+
+
+def _matrix() -> dict[str, list[str]]:
+    spec = importlib.util.spec_from_file_location("planner_accuracy", ROOT / "bench" / "planner_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: overrides for rows in module.MATRICES.values() for name, _, overrides in rows}
+
+
+def _rows() -> list[dict]:
+    rows = []
+    for path in sorted((ROOT / "bench").glob("planner_accuracy_*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("meas_alloc")]
+
+
+def test_every_recorded_peak_is_predicted_within_5_percent() -> None:
+    matrix, h200 = _matrix(), lookup("h200")
+    checked, errors = 0, {}
+    for row in _rows():
+        cfg = load_config(str(ROOT / "bench" / "bench.yaml"),
+                          ["data.train_file=examples/data/tasks.jsonl", *matrix[row["name"]]])
+        if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
+            continue  # the pick: priced with the search, not as configured
+        predicted = predict_run(cfg, load_hf_config(cfg.model), h200, world=1, per_node=1).memory.allocated / 2**30
+        err = predicted / row["meas_alloc"] - 1
+        errors[f"{row['call']}:{row['name']}"] = round(err, 3)
+        assert abs(err) <= KNOWN_MISSES.get(row["name"], 0.05), (row["name"], row["call"], predicted, row)
+        checked += 1
+    assert checked >= 24, errors  # every row on record, the Liger rows of 2026-12-02 included
+    assert any("liger" in k for k in errors)
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_MISSES))
+def test_known_misses_are_still_on_record(name: str) -> None:
+    assert any(r["name"] == name for r in _rows())
