@@ -32,8 +32,9 @@ def _nproc(text: str) -> int | str:
     return value
 
 
-OVERWRITE_TRAIN = ("let the run replace OUTPUT_DIR/model (or adapter) at the end even if shardtune did not write "
-                   "what is there (without it, such a folder stops the run before it starts)")
+OVERWRITE_TRAIN = ("train in OUTPUT_DIR from the start even if it holds a finished run (whose summary.json and "
+                   "checkpoints are removed first), and replace OUTPUT_DIR/model (or adapter) at the end even if "
+                   "shardtune did not write what is there (without it, either stops the run before it starts)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +204,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = validate(args.config, _overrides(args), nproc_flag=args.nproc, quiet=True, nnodes=args.nnodes,
                    hardware=hardware_from(args), force=args.force, overwrite=args.overwrite)
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
+    if args.overwrite and not args.node_rank:
+        from shardtune.checkpoint.outdir import clear_finished_run
+
+        if clear_finished_run(cfg):
+            print(f"--overwrite: removed the finished run's summary and checkpoints in {cfg.train.output_dir}",
+                  flush=True)
     # The launcher's plan fixed what the config left to auto: the workers get it as overrides.
     worker_args = ["train", args.config, *_overrides(args), *auto_overrides(cfg, auto),
                    *(["--overwrite"] if args.overwrite else []), *(["--debug"] if args.debug else [])]

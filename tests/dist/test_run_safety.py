@@ -73,6 +73,28 @@ def test_a_second_run_into_the_same_output_dir_is_refused_while_the_first_runs(t
     lock_run_dir(out)
     release_run_dir(out)
     assert (out / LOCK).is_file()
+    _refuses_the_finished_run_unless_resumed_or_overwritten(out, cache, cli)
+
+
+def _refuses_the_finished_run_unless_resumed_or_overwritten(out: Path, cache: Path, cli) -> None:
+    """Once the first run has finished, a new run in its folder would write over its metrics, checkpoints and
+    summary: refused in one line, nothing touched; --overwrite starts again there from step 0, with the old
+    run's checkpoints removed so --resume auto and keep_last see only the new run's."""
+    before = {p: (out / p).read_bytes() for p in ("metrics.jsonl", "summary.json")}
+    old_checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    again = cli(*_args(out, cache, "train.max_steps=2"))
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    line = again.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: train.output_dir: {str(out)!r} holds a finished run ({STEPS} steps")
+    assert "--resume auto" in line and "--overwrite" in line
+    assert {p: (out / p).read_bytes() for p in before} == before
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == old_checkpoints
+    fresh = cli(*_args(out, cache, "train.max_steps=2", "--overwrite"))
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "--overwrite: removed the finished run's summary and checkpoints" in fresh.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    new_checkpoints = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step")]
+    assert new_checkpoints == ["step-00000002"] and f"step-{STEPS:08d}" in old_checkpoints
 
 
 def _launch(*args: str, nan_steps: str):

@@ -55,9 +55,50 @@ def check_output_dir(out: Path, kind: Kind, *, overwrite: bool = False, fix: str
         raise ShardtuneError(f"{out} holds a shardtune {marker.get('kind')} export, not a {kind}; {fix}")
 
 
+def finished_run(output_dir: Path) -> dict | None:
+    """summary.json of a run that finished in `output_dir` (exit code 0), or None: no run, one that was
+    stopped (it resumes from its checkpoint), or a summary that is not shardtune's."""
+    try:
+        summary = json.loads((Path(output_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("exit_code") == 0 else None
+
+
+def check_not_finished(cfg: Config, overwrite: bool = False) -> None:
+    """A run refuses an output folder that holds a finished run (its metrics, checkpoints and summary would be
+    written over), unless it resumes that run or the user said --overwrite."""
+    if overwrite or cfg.checkpoint.resume:
+        return
+    done = finished_run(Path(cfg.train.output_dir))
+    if done is not None:
+        raise ShardtuneError(f"train.output_dir: {cfg.train.output_dir!r} holds a finished run ({done.get('steps')} "
+                             "steps, summary.json); give another --output-dir, --resume auto to continue it (with a "
+                             "larger train.max_steps), or --overwrite to train there again from the start")
+
+
+def clear_finished_run(cfg: Config) -> list[Path]:
+    """`train --overwrite` over a finished run: remove what that run wrote that the new one would take for
+    its own (summary.json and its checkpoints, folders with shardtune's manifest), so `--resume auto` and
+    checkpoint.keep_last see only the new run's. Its final model/adapter is replaced at the end as before.
+    Returns what was removed."""
+    from shardtune.checkpoint.layout import checkpoint_root, complete_checkpoints
+
+    out = Path(cfg.train.output_dir)
+    if finished_run(out) is None:
+        return []
+    removed = complete_checkpoints(checkpoint_root(cfg.checkpoint, out))
+    for path in removed:
+        shutil.rmtree(path)
+    (out / "summary.json").unlink()
+    return [*removed, out / "summary.json"]
+
+
 def check_final_dir(cfg: Config, overwrite: bool = False) -> None:
     """The folder a finished run writes (OUTPUT_DIR/model, or adapter with LoRA) must be new, empty or an
-    earlier one of shardtune's of the same kind, unless --overwrite: checked before training, not after it."""
+    earlier one of shardtune's of the same kind, unless --overwrite: checked before training, not after it.
+    Nor may the output folder hold a finished run that this one does not resume (check_not_finished)."""
+    check_not_finished(cfg, overwrite)
     if not cfg.checkpoint.save_final:
         return
     kind: Kind = "adapter" if cfg.peft.method != "none" else "model"
