@@ -197,12 +197,14 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_writing_and_the_previ
         assert resolve_checkpoint("auto", disk, check=True) == disk / "step-00000001"  # every byte as its manifest says
 
 
-def test_a_disk_that_fills_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, cache):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_disk_that_fills_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, cache, mode):
     """Checkpoints on a 20 MB tmpfs: the first checkpoint (37.5 MB; none before it to estimate from) fills the disk
-    while DCP's four threads write it. One line naming the folder, exit code 2, and the partial checkpoint removed:
-    nothing listed or resumable, the disk empty again. (One process: the test above has two ranks agree.)"""
+    while DCP's four threads write it (async: in the background, found when the next save or the end waits for it).
+    One line naming the folder, exit code 2, and the partial checkpoint removed: nothing listed or resumable, the
+    disk empty again. (One process: the test above has two ranks agree.)"""
     with small_tmpfs(tmp_path / "disk", "20m") as disk:
-        proc = run_cli(*_args(tmp_path / "run", cache, "train.max_steps=2",
+        proc = run_cli(*_args(tmp_path / "run", cache, "train.max_steps=2", f"checkpoint.async={mode == 'async'}",
                               "checkpoint.every_steps=1", f"checkpoint.dir={disk}"))
         line = _one_error_line(proc)
         assert line.startswith(f"error: checkpoint of step 1 not written: no space left on the disk of {disk} (it "
