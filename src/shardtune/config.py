@@ -237,6 +237,17 @@ class LogConfig(_Section):
                                                             "S..S+K-1 per rank, OUTPUT_DIR/profile/rankR.json.")
     report: bool = Field(True, description="Write OUTPUT_DIR/report/ (HTML + PNG plots, `shardtune report`) at "
                                            "the end of the run; needs matplotlib.")
+    memory_snapshot: list[int] | None = Field(
+        None, description="[A, B]: record the CUDA allocator during optimizer steps A..B and write "
+                          "OUTPUT_DIR/memory/rankR.pickle (PyTorch's memory viewer) and rankR.txt (the peak and its "
+                          "largest allocations); also written on an out-of-memory error inside A..B. CUDA only.")
+
+    @field_validator("memory_snapshot")
+    @classmethod
+    def _two_steps(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 2 or not 1 <= v[0] <= v[1]):
+            raise ValueError("give two optimizer steps [A, B] with 1 <= A <= B, e.g. [3, 4]")
+        return v
 
 
 class Config(_Section):

@@ -49,6 +49,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     from shardtune.models.liger import check_liger
 
     check_liger(cfg.model.liger, device_type(), hf_config.model_type)
+    check_memory_snapshot(cfg, device_type())
     check_output_dir(cfg.train.output_dir)
     check_final_dir(cfg, overwrite)
     if cfg.model.path:
@@ -77,6 +78,13 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         return cfg
     _report(cfg, hf_config, tokenizer, world, plan)
     return cfg
+
+
+def check_memory_snapshot(cfg: Config, device: str) -> None:
+    """log.memory_snapshot records PyTorch's CUDA allocator: refused on other devices."""
+    if cfg.log.memory_snapshot is not None and device != "cuda":
+        raise ShardtuneError(f"log.memory_snapshot: records PyTorch's CUDA allocator, and this run is on {device}; "
+                             "remove log.memory_snapshot (or run on GPUs)")
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -133,6 +141,7 @@ def check_worker(cfg: Config, world: int) -> None:
 
     if not auto_keys(cfg):  # else the loop's planner resolves `auto`, and it picks only combinations that run
         check_combination(cfg, device=device_type())
+    check_memory_snapshot(cfg, device_type())
     if cfg.model.liger is True or cfg.model.liger == "loss":
         from shardtune.models.build import load_hf_config
         from shardtune.models.liger import check_liger

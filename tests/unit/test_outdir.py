@@ -118,7 +118,10 @@ def test_training_writes_its_marker_and_may_run_again(run):
     assert marker["kind"] == "adapter" and marker["source"] == f"training run {run}"
     assert not (run / "adapter" / "notes.txt").exists()  # train --overwrite replaced the user's files
     cfg = load_config(TINY, [f"train.output_dir={run}", "peft.method=lora"])
-    check_final_dir(cfg)  # a second run into the same directory may replace its own adapter
+    with pytest.raises(ShardtuneError, match="holds a finished run"):
+        check_final_dir(cfg)  # it finished there: a new run must resume it or say --overwrite
+    cfg = load_config(TINY, [f"train.output_dir={run}", "peft.method=lora", "checkpoint.resume=auto"])
+    check_final_dir(cfg)  # resuming it may replace its own adapter at the end
 
 
 def test_train_refuses_a_foreign_final_folder_before_starting(tmp_path):

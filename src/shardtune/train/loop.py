@@ -34,6 +34,7 @@ from shardtune.fileio import jsonable
 from shardtune.metrics import comm
 from shardtune.metrics.flops import flops_per_token, matmul_params, mfu, peak_flops
 from shardtune.metrics.logger import MetricsLogger, log_rank0
+from shardtune.metrics.memory_snapshot import MemorySnapshot
 from shardtune.metrics.profile import StepProfiler
 from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
@@ -100,6 +101,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     profiler: StepProfiler | None = None  # log.profile
+    memory: MemorySnapshot | None = None  # log.memory_snapshot
     system: SystemSampler | None = None  # log.system, rank 0
 
 
@@ -136,7 +138,8 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
             try:
                 _train_step(run, step, interval)
             except torch.OutOfMemoryError as err:
-                raise out_of_memory(run.cfg, run.ctx, err, f"in step {step + 1}") from None
+                written = run.memory.close("out of memory") if run.memory is not None else []
+                raise out_of_memory(run.cfg, run.ctx, err, f"in step {step + 1}", written) from None
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
@@ -145,6 +148,8 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
         run.ckpt.close()
     if run.profiler is not None:
         run.profiler.close()  # a run that stopped inside the profiled steps still writes its trace
+    if run.memory is not None:
+        run.memory.close("the run ended first")
     if run.state.bad_in_row >= run.cfg.train.max_bad_steps:
         run.logger.close()
         saved = run.ckpt.root / f"step-{run.state.step:08d}"  # written whatever the checkpoint settings
@@ -157,9 +162,11 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     return finish(run, finished, time.perf_counter() - start, overwrite=overwrite)
 
 
-def out_of_memory(cfg: Config, ctx: DistContext, err: BaseException, where: str) -> ShardtuneError:
+def out_of_memory(cfg: Config, ctx: DistContext, err: BaseException, where: str,
+                  snapshot: list[Path] | None = None) -> ShardtuneError:
     """A CUDA out-of-memory error as one line: where it happened, what the GPU held, and the smallest changes that
-    lower the peak (the planner's fixes, in its order), instead of a traceback from every rank."""
+    lower the peak (the planner's fixes, in its order), instead of a traceback from every rank. `snapshot`: the
+    memory snapshot files log.memory_snapshot wrote up to the error."""
     held = ""
     if ctx.device.type == "cuda":
         total = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
@@ -172,8 +179,10 @@ def out_of_memory(cfg: Config, ctx: DistContext, err: BaseException, where: str)
                      "(the same global batch)")
     fixes += memory_fixes(p, ctx.world)
     first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    seen = f"; allocations up to it: {snapshot[-1]}" if snapshot else ""
     return ShardtuneError(f"out of GPU memory {where} on rank {ctx.rank}{held}: {first}; this setting does not fit: "
-                          f"`shardtune plan CONFIG --all` shows what fits; try {'; or '.join(fixes) or 'more GPUs'}")
+                          f"`shardtune plan CONFIG --all` shows what fits; try {'; or '.join(fixes) or 'more GPUs'}"
+                          f"{seen}")
 
 
 def set_up(cfg: Config, ctx: DistContext) -> Run:
@@ -229,6 +238,8 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
               peak_flops=peak)
     if cfg.log.profile is not None:
         run.profiler = StepProfiler(cfg.log.profile.start, cfg.log.profile.steps, out, ctx.rank, ctx.device)
+    if cfg.log.memory_snapshot is not None:
+        run.memory = MemorySnapshot(*cfg.log.memory_snapshot, out, ctx.rank, ctx.device)
     if cfg.log.system and ctx.is_main:
         run.system = SystemSampler().start()
     _print_start(run)
@@ -352,6 +363,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         counter.take()  # what ran since the last step (eval, checkpoint saves) is not this step's traffic
     if run.profiler is not None:
         run.profiler.before(step + 1)
+    if run.memory is not None:
+        run.memory.before(step + 1)
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
     _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
     if os.environ.get(TEST_SIGKILL_ENV) == f"{ctx.rank}:{step + 1}":
@@ -398,6 +411,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         run.logger.log(record)
     if run.profiler is not None:
         run.profiler.after(state.step)
+    if run.memory is not None:
+        run.memory.after(state.step)
 
 
 def _count_bad_step(run: Run, skipped: bool) -> bool:

@@ -1,0 +1,73 @@
+"""log.memory_snapshot: the key and its refusals, and the text summary read from an allocator history.
+
+PyTorch records the CUDA allocator only (`torch.cuda.memory._record_memory_history`), so the recording itself runs on
+the GPU machine (bench/RESULTS.md); here the summary is computed from a history in the format
+`torch.cuda.memory._snapshot()` returns (device_traces of alloc / free_requested events with their frames)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, one_line_error
+
+from shardtune.config import load_config
+from shardtune.errors import ConfigError
+from shardtune.metrics.memory_snapshot import peak_allocations, summary_text
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+MIB = 2**20
+
+
+def test_the_key_takes_two_steps() -> None:
+    assert load_config(TINY, ["log.memory_snapshot=[3,4]"]).log.memory_snapshot == [3, 4]
+    assert load_config(TINY, []).log.memory_snapshot is None
+    for bad in ("[4,3]", "[0,2]", "[3]", "[1,2,3]"):
+        with pytest.raises(ConfigError, match=r"log\.memory_snapshot: give two optimizer steps"):
+            load_config(TINY, [f"log.memory_snapshot={bad}"])
+
+
+def test_validate_refuses_it_on_a_cpu_in_one_line(cli) -> None:
+    one_line_error(cli("validate", TINY, "log.memory_snapshot=[1,2]"), "log.memory_snapshot:",
+                   "CUDA allocator", "cpu")
+
+
+def _alloc(addr: int, mib: int, where: str) -> dict:
+    return {"action": "alloc", "addr": addr, "size": mib * MIB,
+            "frames": [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                       {"filename": f"/src/{where}.py", "line": 7, "name": where}]}
+
+
+def _free(addr: int, mib: int) -> dict:
+    return {"action": "free_requested", "addr": addr, "size": mib * MIB, "frames": []}
+
+
+def test_the_peak_is_found_by_replaying_allocs_and_frees() -> None:
+    """Logits (300 MiB) freed before the gradients (200 MiB) come: the peak is activations + logits, not the
+    sum of everything ever allocated; a free_completed after free_requested is not counted twice."""
+    trace = [_alloc(1, 100, "attention"), _alloc(2, 300, "logits"), _free(2, 300),
+             {"action": "free_completed", "addr": 2, "size": 300 * MIB}, _alloc(3, 200, "grads"), _free(1, 100),
+             _alloc(4, 50, "optimizer")]
+    peak, live = peak_allocations({"device_traces": [trace]}, baseline=1000 * MIB)
+    assert peak == (1000 + 400) * MIB
+    assert [e["addr"] for e in live] == [2, 1]  # alive at the peak, largest first
+    text = summary_text({"device_traces": [trace]}, 1000 * MIB, "steps 3-4")
+    assert text.startswith("CUDA memory, steps 3-4: peak 1.37 GiB allocated (0.98 GiB already allocated")
+    first, second = text.splitlines()[2:4]
+    assert "300.0 MiB" in first and "/src/logits.py:7 logits" in first  # the caller, not torch's own frame
+    assert "100.0 MiB" in second and "attention" in second
+
+
+def test_the_oom_line_names_the_snapshot(tmp_path: Path) -> None:
+    import torch
+
+    from shardtune.dist import DistContext
+    from shardtune.train.loop import out_of_memory
+
+    cfg = load_config(TINY, [])
+    ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    written = [tmp_path / "memory" / "rank0.pickle", tmp_path / "memory" / "rank0.txt"]
+    line = str(out_of_memory(cfg, ctx, torch.OutOfMemoryError("CUDA out of memory."), "in step 3", written))
+    assert line.startswith("out of GPU memory in step 3 on rank 0") and line.endswith(
+        f"; allocations up to it: {written[-1]}")
+    assert "allocations up to it" not in str(out_of_memory(cfg, ctx, RuntimeError("x"), "in step 3"))
