@@ -19,6 +19,9 @@ from shardtune.plan.hardware import lookup
 # Rows the model does not explain yet, with their error: 8B LoRA + Liger's kernels and fused loss under
 # checkpointing peaks 2.6 GiB above the prediction (bench/RESULTS.md 2026-12-02; needs a memory snapshot).
 KNOWN_MISSES = {"8b-lora-mb2-ac-liger": 0.15}
+# tokens/s: within 15% but the two noisiest rows on record (call 16: min-max 28,780-35,751 and 23,313-30,982;
+# an earlier session measured the second at 30,358, 4% from the prediction).
+SPEED_MISSES = {("16", "1b-zero2-mb2"): 0.20, ("16", "1b-ds-zero3-mb4"): 0.30}
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -35,21 +38,35 @@ def _rows() -> list[dict]:
     return [r for r in rows if r.get("meas_alloc")]
 
 
-def test_every_recorded_peak_is_predicted_within_5_percent() -> None:
-    matrix, h200 = _matrix(), lookup("h200")
-    checked, errors = 0, {}
+def _predictions() -> list[tuple[dict, object]]:
+    """(row, the landed planner's prediction for it) for every run on record that ran as configured."""
+    matrix, h200, out = _matrix(), lookup("h200"), []
     for row in _rows():
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"),
                           ["data.train_file=examples/data/tasks.jsonl", *matrix[row["name"]]])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured
-        predicted = predict_run(cfg, load_hf_config(cfg.model), h200, world=1, per_node=1).memory.allocated / 2**30
-        err = predicted / row["meas_alloc"] - 1
+        out.append((row, predict_run(cfg, load_hf_config(cfg.model), h200, world=1, per_node=1)))
+    return out
+
+
+def test_every_recorded_peak_is_predicted_within_5_percent() -> None:
+    errors = {}
+    for row, predicted in _predictions():
+        err = predicted.memory.allocated / 2**30 / row["meas_alloc"] - 1
         errors[f"{row['call']}:{row['name']}"] = round(err, 3)
-        assert abs(err) <= KNOWN_MISSES.get(row["name"], 0.05), (row["name"], row["call"], predicted, row)
-        checked += 1
-    assert checked >= 24, errors  # every row on record, the Liger rows of 2026-12-02 included
+        assert abs(err) <= KNOWN_MISSES.get(row["name"], 0.05), (row["name"], row["call"], err, row)
+    assert len(errors) >= 24, errors  # every row on record, the Liger rows of 2026-12-02 included
     assert any("liger" in k for k in errors)
+
+
+def test_every_recorded_speed_is_predicted_within_15_percent() -> None:
+    errors = {}
+    for row, predicted in _predictions():
+        err = predicted.time.tokens_per_sec_per_gpu / row["meas_tps"] - 1
+        errors[f"{row['call']}:{row['name']}"] = round(err, 3)
+        assert abs(err) <= SPEED_MISSES.get((str(row["call"]), row["name"]), 0.15), (row["name"], row["call"], err)
+    assert len(errors) >= 24, errors
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_MISSES))
