@@ -109,6 +109,15 @@ def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
     assert fused_loss_bytes(one_b, replace(s, peft="lora")) == 256 * 128256 * 6 + 8192 * 2048 * 2
 
 
+def test_the_plan_line_says_what_liger_puts_in() -> None:
+    from shardtune.plan import describe
+
+    assert describe(Setting(fused_loss=True, liger_kernels=True)).endswith(", liger kernels + fused loss")
+    assert describe(Setting(fused_loss=True)).endswith(", liger fused loss")
+    assert describe(Setting(backend="deepspeed", fused_loss=True, liger_kernels=True)).endswith(", liger kernels")
+    assert "liger" not in describe(Setting())
+
+
 def test_the_plan_counts_the_fused_loss_only_where_it_runs() -> None:
     from conftest import ROOT
 

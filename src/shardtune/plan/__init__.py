@@ -87,6 +87,9 @@ def describe(s: Setting) -> str:
         parts.append(f"offload {s.offload}")
     parts.append("checkpointing full" if s.activation_checkpointing == "full" else "no checkpointing")
     parts.append(f"micro-batch {s.micro_batch_size}")
+    if s.liger_kernels or (s.fused_loss and s.backend == "fsdp2"):
+        parts.append("liger " + ("kernels + fused loss" if s.liger_kernels and s.backend == "fsdp2" else
+                                 "kernels" if s.liger_kernels else "fused loss"))
     return ", ".join(parts)
 
 
