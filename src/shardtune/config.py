@@ -128,7 +128,10 @@ class ParallelConfig(_Section):
     backend: Literal["fsdp2", "deepspeed"] = Field("fsdp2", description="The engine behind the strategy: PyTorch "
                                                                         "FSDP2 / DDP, or DeepSpeed ZeRO.")
     nproc: int | Literal["auto"] = Field("auto", description="Processes on this node; auto = all GPUs, or 1 on CPU.")
-    activation_checkpointing: Literal["none", "full"] = "none"
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="full: each decoder block keeps its input and runs again in backward; selective: it keeps "
+                            "its attention output and every other matmul output and recomputes the rest (torchtitan's "
+                            "per-op selective checkpointing).")
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
     offload: Literal["none", "optimizer", "params"] = Field(
         "none", description="DeepSpeed ZeRO-Offload: optimizer states (optimizer), or parameters and optimizer "

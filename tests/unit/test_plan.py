@@ -109,6 +109,23 @@ def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
     assert fused_loss_bytes(one_b, replace(s, peft="lora")) == 256 * 128256 * 6 + 8192 * 2048 * 2
 
 
+def test_selective_checkpointing_sits_between_none_and_full(one_b: ModelShape, eight_b: ModelShape) -> None:
+    """parallel/prepare.py keeps the block input, the q, v, gate and down outputs and the attention output and
+    log-sum-exp: p(4h + k + f) + 4a bytes per token and block; it recomputes the k, o and up projections."""
+    from shardtune.plan import describe
+    from shardtune.plan.memory import selective_bytes_per_token_layer
+
+    s = Setting(micro_batch_size=4, seq_len=2048, activation_checkpointing="selective")
+    assert selective_bytes_per_token_layer(one_b, s) == 2 * (4 * 2048 + 512 + 8192) + 4 * 32
+    for m in (one_b, eight_b):
+        none, sel, full = (replace(s, activation_checkpointing=a) for a in ("none", "selective", "full"))
+        assert sum(activations(m, full)) < sum(activations(m, sel)) < sum(activations(m, none))
+        assert train_flops_per_token(m, none) < train_flops_per_token(m, sel) < train_flops_per_token(m, full)
+        h200 = lookup("h200")
+        assert step_time(m, full, h200).seconds > step_time(m, sel, h200).seconds > step_time(m, none, h200).seconds
+    assert "checkpointing selective" in describe(s)
+
+
 def test_the_plan_line_says_what_liger_puts_in() -> None:
     from shardtune.plan import describe
 

@@ -59,7 +59,7 @@ def describe(cfg: Config, world: int) -> str:
 def memory_fixes(p: ParallelConfig, world: int) -> list[str]:
     """Overrides that lower a run's peak GPU memory at the parallel level, smallest change first (for the
     out-of-memory message): activation checkpointing, then sharding parameters too."""
-    fixes = ["parallel.activation_checkpointing=full"] if p.activation_checkpointing == "none" else []
+    fixes = ["parallel.activation_checkpointing=full"] if p.activation_checkpointing != "full" else []
     if p.strategy in ("ddp", "zero1", "zero2") and world > 1:
         fixes.append("parallel.strategy=zero3")
     return fixes

@@ -105,7 +105,7 @@ def trainer_arguments(parallel: ParallelConfig, train: TrainConfig, optim: Optim
         "bf16": train.precision == "bf16",
         "fp16": train.precision == "fp16",
         "max_grad_norm": optim.max_grad_norm,
-        _checkpointing_arg(): parallel.activation_checkpointing == "full",
+        _checkpointing_arg(): parallel.activation_checkpointing != "none",  # HF has no per-op selective mode
         "weight_decay": optim.weight_decay,
         "adam_beta1": optim.betas[0],
         "adam_beta2": optim.betas[1],
@@ -252,7 +252,7 @@ def accelerate_config(parallel: ParallelConfig, train: TrainConfig, world_per_no
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_cpu_ram_efficient_loading": True,
         "fsdp_offload_params": False,
-        "fsdp_activation_checkpointing": parallel.activation_checkpointing == "full",
+        "fsdp_activation_checkpointing": parallel.activation_checkpointing != "none",
     }
     if block_class is not None:
         fsdp["fsdp_transformer_layer_cls_to_wrap"] = block_class

@@ -85,7 +85,8 @@ def describe(s: Setting) -> str:
     parts = [f"{s.backend} {s.strategy}"]
     if s.offload != "none":
         parts.append(f"offload {s.offload}")
-    parts.append("checkpointing full" if s.activation_checkpointing == "full" else "no checkpointing")
+    parts.append("no checkpointing" if s.activation_checkpointing == "none" else
+                 f"checkpointing {s.activation_checkpointing}")
     parts.append(f"micro-batch {s.micro_batch_size}")
     if s.liger_kernels or (s.fused_loss and s.backend == "fsdp2"):
         parts.append("liger " + ("kernels + fused loss" if s.liger_kernels and s.backend == "fsdp2" else

@@ -104,11 +104,24 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     """(saved through the whole forward, extra while one block is recomputed in backward), bytes.
 
     Without checkpointing every block keeps its activations. With full checkpointing each block keeps
-    only its input (p*h per token) and backward recomputes one block at a time."""
+    only its input (p*h per token) and backward recomputes one block at a time; selective checkpointing keeps
+    the outputs of the attention kernel and of every other matmul (selective_bytes_per_token_layer) and
+    recomputes the rest of one block at a time."""
     per_layer = activation_bytes_per_token_layer(m, s) * s.tokens
     if s.activation_checkpointing == "full":
         return float(m.layers * s.compute_bytes * m.hidden * s.tokens), per_layer
+    if s.activation_checkpointing == "selective":
+        kept = selective_bytes_per_token_layer(m, s) * s.tokens
+        return m.layers * kept, max(0.0, per_layer - kept)
     return m.layers * per_layer, 0.0
+
+
+def selective_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
+    """Selective checkpointing (parallel/prepare.py) keeps, per token and block: the block's input (ph), the
+    outputs of the q, v, gate and down projections (p(h + k + f + h)), the attention kernel's output (ph) and
+    its log-sum-exp (4 bytes per head): p(4h + k + f) + 4a."""
+    p = s.compute_bytes
+    return float(p * (4 * m.hidden + m.kv_dim + m.ffn) + 4 * m.heads)
 
 
 def _first_gradients_share(m: ModelShape, s: Setting) -> float:

@@ -75,7 +75,7 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
     capacity = hw.memory_bytes * (1 - SAFETY_MARGIN)
     refused: dict[tuple[str, str, str], str] = {}
     out: list[Candidate] = []
-    for backend, ac, mb in itertools.product(("fsdp2", "deepspeed"), ("none", "full"),
+    for backend, ac, mb in itertools.product(("fsdp2", "deepspeed"), ("none", "selective", "full"),
                                              micro_batches or (base.micro_batch_size,)):
         for strategy, offload in itertools.product(STRATEGIES[backend], OFFLOADS[backend]):
             if strategy == "hsdp" and base.nnodes == 1:

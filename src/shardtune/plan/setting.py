@@ -18,7 +18,7 @@ class Setting:
     strategy: str = "zero3"
     offload: str = "none"  # none | optimizer | params
     nvme: bool = False
-    activation_checkpointing: str = "none"  # none | full
+    activation_checkpointing: str = "none"  # none | selective | full
     compile: bool = False
     micro_batch_size: int = 1
     grad_accum: int = 1

@@ -66,12 +66,15 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
 
     6N + 12·L·h·s (PaLM / torchtitan: 2 FLOPs per weight forward, 4 backward; attention scores and values
     12·L·h·s). Frozen weights (LoRA, QLoRA) cost forward + input gradient: 4 per weight; adapters 6.
-    Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s."""
+    Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s; selective checkpointing
+    only the k, o and up projections: + 2·L·h·(k + h + f)."""
     n = m.matmul_params
     attn = 12.0 * m.layers * m.hidden * s.seq_len
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
     if s.activation_checkpointing == "full":
         flops += 2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len
+    elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
+        flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
     return flops
 
 
@@ -201,7 +204,7 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     if s.peft == "qlora":
         # Each NF4 weight is dequantised in forward, in the recompute and in backward of every micro-batch:
         # reads 4 bits and writes the compute dtype.
-        passes = 3 if s.activation_checkpointing == "full" else 2
+        passes = 2 if s.activation_checkpointing == "none" else 3
         compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / (
             hw.hbm_bytes_per_s * DEQUANT_EFFICIENCY)
     trainable = m.params if s.peft == "none" else m.lora_params

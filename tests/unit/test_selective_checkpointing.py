@@ -1,0 +1,74 @@
+"""parallel.activation_checkpointing: selective (per-op, as torchtitan's `selective_ac_option: op`): the same
+loss and gradients as no checkpointing, with the policy saving the attention kernel's output and the 1st, 3rd,
+5th and 7th matmul of each block (q, v, gate, down projections) and recomputing the other three."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import ROOT
+
+from shardtune.config import load_config
+from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
+from shardtune.parallel import prepare
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+
+
+def _model(mode: str):
+    cfg = load_config(TINY, [f"parallel.activation_checkpointing={mode}"])
+    hf_config = load_hf_config(cfg.model)
+    model = build_on_meta(hf_config, "sdpa").to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    restore_buffers(model, torch.device("cpu"))
+    model.train()
+    prepare.checkpoint_and_compile(model, list(model.model.layers), cfg.parallel)
+    return model, hf_config.num_hidden_layers
+
+
+def _loss_and_grads(mode: str):
+    model, layers = _model(mode)
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}, layers
+
+
+def test_the_key_takes_selective():
+    assert load_config(TINY, ["parallel.activation_checkpointing=selective"]).parallel.activation_checkpointing \
+        == "selective"
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_checkpointing_gives_the_loss_and_gradients_of_none(mode):
+    loss, grads, _ = _loss_and_grads("none")
+    got_loss, got, _ = _loss_and_grads(mode)
+    assert got_loss == loss
+    for name, grad in grads.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
+    decisions: Counter = Counter()
+    original = prepare.selective_policy
+
+    def counting(counts):
+        policy = original(counts)
+
+        def decide(ctx, func, *args, **kwargs):
+            choice = policy(ctx, func, *args, **kwargs)
+            if func == torch.ops.aten.mm.default or "scaled_dot_product" in str(func):
+                decisions[("mm" if func == torch.ops.aten.mm.default else "attention", choice.name)] += 1
+            return choice
+
+        return decide
+
+    monkeypatch.setattr(prepare, "selective_policy", counting)
+    _, _, layers = _loss_and_grads("selective")
+    # Forward: 7 projections per block, q / v / gate / down saved, k / o / up recomputed; the attention saved.
+    assert decisions == Counter({("mm", "MUST_SAVE"): 4 * layers, ("mm", "PREFER_RECOMPUTE"): 3 * layers,
+                                 ("attention", "MUST_SAVE"): layers}), decisions
