@@ -114,6 +114,11 @@ def test_resume_from_a_deepspeed_checkpoint(tmp_path):
     ckpt = part / "checkpoints" / "step-00000005"
     assert json.loads((ckpt / "manifest.json").read_text())["format"] == "deepspeed"
     assert any((ckpt / "deepspeed" / "state").glob("*optim_states.pt"))
+    # Each rank checksummed its own DeepSpeed files (rank 0 read none of rank 1's).
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    for rank in (0, 1):
+        own = [name for name in files if f"zero_pp_rank_{rank}_" in name]
+        assert own and all(files[name]["by"] == rank for name in own), (rank, own)
     moved = tmp_path / "moved"
     shutil.copytree(part, moved)
     resumed = _train(part, "--resume")

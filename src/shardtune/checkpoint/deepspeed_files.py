@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.checkpoint.formats import LazyTensor, Written
-from shardtune.checkpoint.layout import finalize
+from shardtune.checkpoint.layout import finalize, record_own
 from shardtune.errors import ShardtuneError
 
 if TYPE_CHECKING:
@@ -88,6 +88,11 @@ class DeepSpeedFormat:
                   "synchronously", flush=True)
             self.warn_async = False
         backend.save_native(tmp / NATIVE_DIR, TAG)  # collective: one model and one optimizer file per rank
+        # Each rank checksums the files it wrote (DeepSpeed names them zero_pp_rank_R_...), on its own node, so
+        # rank 0 reads only its own and the engine's shared files (model states below stage 3, `latest`).
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        record_own(tmp, sorted(p for p in (tmp / STATE_DIR).glob(f"*zero_pp_rank_{rank}_*") if p.is_file()), rank,
+                   "deepspeed")
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         if self.is_main:
