@@ -230,6 +230,21 @@ class ProfileConfig(_Section):
     steps: int = Field(1, ge=1, description="Number of steps to profile.")
 
 
+class WandbConfig(_Section):
+    project: str = Field(description="Weights & Biases project.")
+    entity: str | None = Field(None, description="Team or user (default: wandb's own).")
+    name: str | None = Field(None, description="Run name (default: the output folder's name).")
+    mode: Literal["online", "offline"] = Field("online", description="offline: files under OUTPUT_DIR/wandb only "
+                                                                   "(`wandb sync` uploads them later).")
+
+
+class MlflowConfig(_Section):
+    experiment: str = Field(description="MLflow experiment name.")
+    tracking_uri: str | None = Field(None, description="Where runs go (default: MLflow's own: MLFLOW_TRACKING_URI "
+                                                       "or ./mlruns).")
+    run_name: str | None = Field(None, description="Run name (default: the output folder's name).")
+
+
 class LogConfig(_Section):
     every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
     progress: bool = Field(True, description="Rich progress bar on rank 0.")
@@ -240,6 +255,11 @@ class LogConfig(_Section):
                                                             "S..S+K-1 per rank, OUTPUT_DIR/profile/rankR.json.")
     report: bool = Field(True, description="Write OUTPUT_DIR/report/ (HTML + PNG plots, `shardtune report`) at "
                                            "the end of the run; needs matplotlib.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files to OUTPUT_DIR/tensorboard "
+                                                 "(needs the tensorboard package).")
+    wandb: WandbConfig | None = Field(None, description="{project: P, ...}: also log to Weights & Biases "
+                                                        "(needs wandb).")
+    mlflow: MlflowConfig | None = Field(None, description="{experiment: E, ...}: also log to MLflow (needs mlflow).")
     memory_snapshot: list[int] | None = Field(
         None, description="[A, B]: record the CUDA allocator during optimizer steps A..B and write "
                           "OUTPUT_DIR/memory/rankR.pickle (PyTorch's memory viewer) and rankR.txt (the peak and its "

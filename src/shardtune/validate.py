@@ -50,6 +50,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
     check_liger(cfg.model.liger, device_type(), hf_config.model_type)
     check_memory_snapshot(cfg, device_type())
+    check_trackers(cfg)
     check_output_dir(cfg.train.output_dir)
     check_final_dir(cfg, overwrite)
     if cfg.model.path:
@@ -78,6 +79,18 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         return cfg
     _report(cfg, hf_config, tokenizer, world, plan)
     return cfg
+
+
+def check_trackers(cfg: Config) -> None:
+    """A tracker the config turns on (log.tensorboard / wandb / mlflow) must be installed: refused before start."""
+    import importlib.util
+
+    from shardtune.metrics.trackers import PACKAGES, configured
+
+    for name in configured(cfg.log):
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            raise ShardtuneError(f"log.{name}: the {PACKAGES[name]} package is not installed; pip install "
+                                 f"{PACKAGES[name]}, or remove log.{name}")
 
 
 def check_memory_snapshot(cfg: Config, device: str) -> None:
@@ -142,6 +155,7 @@ def check_worker(cfg: Config, world: int) -> None:
     if not auto_keys(cfg):  # else the loop's planner resolves `auto`, and it picks only combinations that run
         check_combination(cfg, device=device_type())
     check_memory_snapshot(cfg, device_type())
+    check_trackers(cfg)
     if cfg.model.liger is True or cfg.model.liger == "loss":
         from shardtune.models.build import load_hf_config
         from shardtune.models.liger import check_liger

@@ -34,3 +34,23 @@ def test_profile_writes_a_chrome_trace_per_rank_for_the_chosen_steps(two):
         assert sum(n.startswith("ProfilerStep#") for n in names) == 2  # steps 2 and 3, one span each
         assert any(n.startswith("aten::") for n in names)
     assert not (Path(two["zero2"]["output_dir"]) / "profile").exists()  # off unless log.profile is set
+
+
+def test_tensorboard_events_hold_every_logged_number(two):
+    """log.tensorboard (the zero3 variant): rank 0's event file, read with TensorBoard's own reader, holds each
+    metrics.jsonl train record's loss and grad norm at its step, the evaluations as eval/*, and the config."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = Path(two["zero3"]["output_dir"])
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if not r.get("eval") and "loss" in r]
+    evals = [r for r in records if r.get("eval")]
+    assert train and evals
+    for key in ("loss", "grad_norm"):
+        got = {e.step: e.value for e in events.Scalars(f"train/{key}")}
+        assert got == pytest.approx({r["step"]: r[key] for r in train}, rel=1e-6)
+    got = {e.step: e.value for e in events.Scalars("eval/eval_loss")}
+    assert got == pytest.approx({r["step"]: r["eval_loss"] for r in evals}, rel=1e-6)
+    assert "config/text_summary" in events.Tags()["tensors"]
+    assert not (Path(two["zero2"]["output_dir"]) / "tensorboard").exists()  # off unless log.tensorboard is set

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,11 @@ class MetricsLogger:
     """`log(record)` appends a JSON line and updates the progress bar. No-ops on ranks other than 0."""
 
     def __init__(self, rank: int, output_dir: Path, total_steps: int, *, progress: bool, jsonl: bool,
-                 resume_step: int = 0) -> None:
+                 resume_step: int = 0, trackers: Callable[[], list[Any]] | None = None) -> None:
         self.active = rank == 0
         self.file = None
+        # log.tensorboard / wandb / mlflow (metrics/trackers.py): made here, on rank 0 only.
+        self.trackers: list[Any] = trackers() if trackers is not None and self.active else []
         self.progress: Progress | None = None
         if not self.active:
             return
@@ -58,6 +61,12 @@ class MetricsLogger:
         if self.file is not None:
             self.file.write(json.dumps(clean) + "\n")
             self.file.flush()
+        if self.trackers and "step" in record:
+            from shardtune.metrics.trackers import scalars
+
+            numbers = scalars(record)
+            for tracker in self.trackers:
+                tracker.log(numbers, int(record["step"]))
         if self.progress is not None and "loss" in record:
             info = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_sec']:,.0f} tok/s"
             self.progress.update(self.task, completed=record["step"], info=info)
@@ -70,6 +79,9 @@ class MetricsLogger:
         self.print(f"step {step}: " + "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if v is not None))
 
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self.progress is not None:
             self.progress.stop()
         if self.file is not None:

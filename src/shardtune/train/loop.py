@@ -227,8 +227,11 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
         backend.load_extra_state(saved["extra"])
         sampler.load_state_dict(saved["sampler"])
         skipped = int(saved.get("skipped_steps", 0))
+    from shardtune.metrics.trackers import make_trackers
+
     logger = MetricsLogger(ctx.rank, out, total_steps, progress=cfg.log.progress, jsonl=cfg.log.jsonl,
-                           resume_step=sampler.position)
+                           resume_step=sampler.position,
+                           trackers=lambda: make_trackers(cfg.log, out, cfg.model_dump(mode="json", by_alias=True)))
     peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
     run = Run(cfg, ctx, out, hf_config, tokenizer, data, sampler, built, backend, schedule, ckpt, logger,
               total_steps=total_steps, stop=min(total_steps, t.stop_after_step or total_steps),
