@@ -475,12 +475,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory, cache, reference):
+def two_nodes(tmp_path_factory, reference):
     """The reference's run on two "nodes" of 2 processes each (4 ranks, hsdp with the default shard size: the
     processes per node): two launchers, node ranks 0 and 1, one c10d rendezvous on 127.0.0.1; the same 16 sequences
-    per step (4 ranks x 4, no accumulation). Node 1 dies (kill -9 of its launcher and workers) once the step-5
-    checkpoint is in place. Its run directory, node 0's exit code, stderr, and seconds from the kill to its exit."""
+    per step (4 ranks x 4, no accumulation). Both nodes start with an empty tokenization cache they share (as on a
+    shared file system), so both tokenize into it at once. Node 1 dies (kill -9 of its launcher and workers) once
+    the step-5 checkpoint is in place. Its run directory, node 0's exit code, stderr, and seconds from the kill to
+    its exit."""
     out = tmp_path_factory.mktemp("nodes") / "run"
+    cache = out.parent / "shared_cache"
     common = ["train", TINY, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
               "--rdzv-id", "two-nodes", "--output-dir", str(out), f"train.max_steps={STEPS}",
               "train.micro_batch_size=4", "train.grad_accum=1", "parallel.strategy=hsdp", "log.every=1",
@@ -512,7 +515,9 @@ def two_nodes(tmp_path_factory, cache, reference):
 
 def test_two_nodes_match_one_node_a_dead_node_is_one_line_and_the_checkpoint_resumes(
         two_nodes, reference, reference_run, cache, tmp_path, cli):
-    """Losses of the 4-rank two-node hsdp run equal the reference's (which the reshard tests tie to one process).
+    """Losses of the 4-rank two-node hsdp run equal the reference's (which the reshard tests tie to one process),
+    with the data both nodes tokenized at once into one shared cache: it holds one complete store per data set
+    and no half-written one.
     When node 1 dies, node 0 stops within a bounded time with exit code 2 and one line naming the newest complete
     checkpoint; that checkpoint (each rank checksummed its own files) resumes on 1 process (grad_accum 4) and ends
     on the reference's trajectory and final weights, and exports to a directory transformers loads."""
@@ -531,6 +536,10 @@ def test_two_nodes_match_one_node_a_dead_node_is_one_line_and_the_checkpoint_res
     got = losses(run)  # the checkpointed step's own record may be lost: node 1 died between the save and the log
     assert set(range(1, step)) <= set(got)
     assert max(abs(got[s] - reference[s]) for s in got) <= 1e-5
+    # The cache both nodes tokenized into at once: one whole store (the tiny task set), nothing half-written.
+    stores = sorted((run.parent / "shared_cache").iterdir())
+    assert len(stores) == 1 and not stores[0].name.startswith("."), stores
+    assert {f.name for f in stores[0].iterdir()} == {"input_ids.npy", "offsets.npy", "trainable.npy", "meta.json"}
     # Each rank checksummed its own shard and RNG files (rank 0 read none of the other node's files).
     files = json.loads((newest / "manifest.json").read_text())["files"]
     for rank in range(4):

@@ -115,6 +115,24 @@ def test_the_run_ends_with_its_throughput_line_and_summary(slow_eval_run):
     assert "GiB (host RSS)" in lines[-1] and "without evaluation and checkpoint time" in lines[-1]
 
 
+def test_the_run_ends_with_a_summary_of_its_scores_and_files(slow_eval_run):
+    """The line before the throughput line: steps and time, the final train loss, eval loss and exact match,
+    and where the checkpoints are (save_final=false here: no model line); the first evaluation line says what
+    exact match means, the later ones do not repeat it."""
+    out, err = slow_eval_run
+    records = _records(out)
+    train = [r for r in records if not r.get("eval") and "loss" in r]
+    final_eval = [r for r in records if r.get("eval")][-1]
+    done = err.strip().splitlines()[-2]
+    assert done.startswith("done: 8 steps in "), done
+    assert (f"; train loss {train[-1]['loss']:.4f}, eval loss {final_eval['eval_loss']:.4f}, exact match "
+            f"{final_eval['eval_accuracy']:.1%}; checkpoints in {out / 'checkpoints'} (newest step-00000008)") in done
+    assert "model in" not in done
+    evals = [line for line in err.splitlines() if ": eval loss " in line]
+    assert evals[0].startswith("step 0: eval loss ") and "greedy choice" in evals[0]
+    assert len(evals) >= 2 and not any("greedy" in line for line in evals[1:])
+
+
 def test_the_throughput_line_on_a_gpu_shows_mfu_and_both_peaks():
     from shardtune.train.loop import throughput, throughput_line
 

@@ -33,6 +33,7 @@ class MetricsLogger:
     def __init__(self, rank: int, output_dir: Path, total_steps: int, *, progress: bool, jsonl: bool,
                  resume_step: int = 0, trackers: Callable[[], list[Any]] | None = None) -> None:
         self.active = rank == 0
+        self.explained = False  # eval_line has said what exact match means
         self.file = None
         # log.tensorboard / wandb / mlflow (metrics/trackers.py): made here, on rank 0 only.
         self.trackers: list[Any] = trackers() if trackers is not None and self.active else []
@@ -76,7 +77,15 @@ class MetricsLogger:
             (self.progress.console if self.progress else console).print(message, highlight=False)
 
     def eval_line(self, step: int, metrics: dict[str, Any]) -> None:
-        self.print(f"step {step}: " + "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if v is not None))
+        """`step N: eval loss L, exact match A%`; the first one also says what exact match means (a small model
+        can lower the loss long before it gets a whole answer right)."""
+        text = f"step {step}: eval loss {_fmt(metrics.get('eval_loss'))}"
+        if metrics.get("eval_accuracy") is not None:
+            text += f", exact match {metrics['eval_accuracy']:.1%}"
+            if not self.explained:
+                text += " (held-out answers whose every token is the model's greedy choice)"
+                self.explained = True
+        self.print(text)
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -22,7 +22,13 @@ from shardtune.assemble import BuiltModel, assemble
 from shardtune.checkpoint.checkpointer import Checkpointer, check_shared_root
 from shardtune.checkpoint.formats import make_format
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_model
-from shardtune.checkpoint.layout import VERIFIED_ENV, checkpoint_root, read_trainer_state, resolve_checkpoint
+from shardtune.checkpoint.layout import (
+    VERIFIED_ENV,
+    checkpoint_root,
+    complete_checkpoints,
+    read_trainer_state,
+    resolve_checkpoint,
+)
 from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.checkpoint.runlock import lock_run_dir
 from shardtune.config import Config, TrainConfig, dump_config, parse_size
@@ -590,8 +596,22 @@ def _done_line(run: Run, seconds: float) -> str:
     if step < total:
         return f"stopped after step {step} of {total} ({seconds:.1f}s); continue with --resume auto"
     kind = "adapter" if run.built.adapters else "model"
-    where = f"; {kind} in {run.out / kind}" if run.cfg.checkpoint.save_final else ""
-    return f"done: {total} steps in {seconds:.1f}s{where}"
+    parts = [f"done: {total} steps in {seconds:.1f}s"]
+    last = next((r for r in reversed(run.state.history) if r.get("loss") is not None), None)
+    scores = [f"train loss {last['loss']:.4f}"] if last else []
+    if run.state.evals:
+        final = run.state.evals[-1]
+        scores.append(f"eval loss {final['eval_loss']:.4f}")
+        if final.get("eval_accuracy") is not None:
+            scores.append(f"exact match {final['eval_accuracy']:.1%}")
+    if scores:
+        parts.append(", ".join(scores))
+    if run.cfg.checkpoint.save_final:
+        parts.append(f"{kind} in {run.out / kind}")
+    checkpoints = complete_checkpoints(run.ckpt.root)
+    if checkpoints:
+        parts.append(f"checkpoints in {run.ckpt.root} (newest {checkpoints[-1].name})")
+    return "; ".join(parts)
 
 
 def trainer_state(run: Run) -> dict[str, Any]:
