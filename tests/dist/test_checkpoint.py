@@ -316,6 +316,10 @@ def test_lora_resume_and_adapter_and_merged_export(tmp_path, cache, cli):
     expected_names = {n.replace(".default", "") for n in _trainable_names()}
     assert set(load_file(str(adapter / "adapter_model.safetensors"))) == expected_names  # 56, no LM head
     assert set(load_file(str(out / "adapter" / "adapter_model.safetensors"))) == expected_names
+    for folder in (out / "adapter", adapter):  # both name the base folder a user can load, and say how
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(base_dir.resolve()), folder
+        assert f"from_pretrained('{base_dir.resolve()}')" in (folder / "README.md").read_text()
     again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter)
     assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
     merged = tmp_path / "merged"

@@ -46,3 +46,15 @@ def test_with_dropout_zero_training_mode_gives_the_eval_outputs():
     model_drop = _lora(0.1)
     with torch.no_grad():
         assert not torch.equal(model_drop.train()(input_ids=ids).logits, model_drop.eval()(input_ids=ids).logits)
+
+
+def test_an_adapter_of_a_preset_says_how_to_rebuild_its_base():
+    """A preset has no folder: its name goes into adapter_config.json (nothing can load it), so the README beside
+    the adapter gives the init-model command that writes the same weights, and how to load the pair."""
+    from shardtune.config import ModelConfig
+    from shardtune.peft.lora import adapter_base
+
+    name, readme = adapter_base(ModelConfig(preset="tiny-llama", seed=3))
+    assert name == "tiny-llama"
+    assert "shardtune init-model BASE --preset tiny-llama --seed 3" in readme
+    assert "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('BASE'), ADAPTER_DIR)" in readme

@@ -108,10 +108,10 @@ _SPACE_FIX = ("free space there, or write it to a larger disk (`shardtune export
 
 def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: Any, rank: int,
                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None, *, source: str = "",
-                 overwrite: bool = False) -> None:
-    """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors),
-    with shardtune's marker naming `source`, under the rule of checkpoint/outdir.py (`overwrite`: the
-    user's --overwrite)."""
+                 overwrite: bool = False, readme: str | None = None) -> None:
+    """Collective: write `out_dir` as a PEFT adapter (adapter_config.json + adapter_model.safetensors, and
+    `readme` as README.md: what the base is and how to load it), with shardtune's marker naming `source`, under
+    the rule of checkpoint/outdir.py (`overwrite`: the user's --overwrite)."""
     from shardtune.peft.lora import adapter_state
 
     state = adapter_state(model, rank, gather)
@@ -129,6 +129,8 @@ def save_adapter(model: nn.Module, out_dir: Path, base_model: str, tokenizer: An
             config = model.peft_config["default"]
             config.base_model_name_or_path = base_model
             config.save_pretrained(str(tmp))
+            if readme:
+                (tmp / "README.md").write_text(readme)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
             (tmp / "shardtune.json").write_text(json.dumps({"tensors": len(state),

@@ -132,3 +132,20 @@ def adapter_state(model: nn.Module, rank: int,
 
     return get_peft_model_state_dict(model, state_dict=full)
 
+
+
+def adapter_base(model_cfg: Any) -> tuple[str, str]:
+    """What an adapter names as its base (adapter_config.json's base_model_name_or_path) and the README.md beside
+    it: the base folder's absolute path, or for a preset (random init, no folder) its name and how to rebuild the
+    same weights with `shardtune init-model`, since nothing can load a preset's name."""
+    from pathlib import Path
+
+    load = ("```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
+            "model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), ADAPTER_DIR)\n```\n")
+    if model_cfg.path:
+        path = str(Path(model_cfg.path).expanduser().resolve())
+        return path, f"# LoRA adapter (shardtune)\n\nBase model: `{path}`.\n\n{load.replace('BASE', repr(path))}"
+    preset, seed = model_cfg.preset, model_cfg.seed
+    return preset, (f"# LoRA adapter (shardtune)\n\nBase model: shardtune's `{preset}` preset, random init with seed "
+                    f"{seed} (no folder). Write the same weights with\n\n```bash\nshardtune init-model BASE --preset "
+                    f"{preset} --seed {seed}\n```\n\nthen load:\n\n{load.replace('BASE', repr('BASE'))}")

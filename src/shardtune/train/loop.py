@@ -215,6 +215,10 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     spec = BACKENDS[cfg.parallel.backend]
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
                      spec.param_shards(cfg.parallel, ctx.world))
+    if built.adapters:  # checkpoints (hf/adapter_config.json) and the final adapter name a loadable base
+        from shardtune.peft.lora import adapter_base
+
+        built.model.peft_config["default"].base_model_name_or_path = adapter_base(cfg.model)[0]
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
     _apply_liger(cfg, ctx, built, hf_config, backend)
     if hasattr(backend, "skip_nonfinite"):
@@ -500,8 +504,11 @@ def finish(run: Run, finished: bool, train_seconds: float, *, overwrite: bool = 
     if cfg.checkpoint.save_final and finished:
         check_finite_weights(run, "model" if not run.built.adapters else "adapter")
     if cfg.checkpoint.save_final and finished and run.built.adapters:
-        save_adapter(run.backend.module, out / "adapter", cfg.model.path or str(cfg.model.preset), run.tokenizer,
-                     ctx.rank, gather=run.backend.full_tensor, source=f"training run {out}", overwrite=overwrite)
+        from shardtune.peft.lora import adapter_base
+
+        base, readme = adapter_base(cfg.model)
+        save_adapter(run.backend.module, out / "adapter", base, run.tokenizer, ctx.rank, gather=run.backend.full_tensor,
+                     source=f"training run {out}", overwrite=overwrite, readme=readme)
     elif cfg.checkpoint.save_final and finished:
         save_hf_model(run.backend.module, run.hf_config, run.tokenizer, out / "model",
                       dtype=SAVE_DTYPES[save_dtype(cfg)], max_shard_bytes=parse_size(cfg.checkpoint.max_shard_size),
