@@ -107,18 +107,24 @@ def export_adapter(path: Path, out: Path, *, overwrite: bool = False) -> Path:
         for f in (path / "hf").iterdir():
             if f.name.startswith(("adapter_config", "tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(f, tmp / f.name)
-        (tmp / "README.md").write_text(_adapter_readme(path))
+        readme = _adapter_readme(path)
+        if readme:
+            (tmp / "README.md").write_text(readme)
     return out
 
 
-def _adapter_readme(path: Path) -> str:
-    """The README.md of an exported adapter: its base, from the run's config in the checkpoint."""
+def _adapter_readme(path: Path) -> str | None:
+    """The README.md of an exported adapter: its base, from the run's config in the checkpoint (None for a
+    checkpoint without one, e.g. written by hand)."""
     from shardtune.config import ModelConfig
     from shardtune.peft.lora import adapter_base
 
-    model = read_trainer_state(path).get("config", {}).get("model", {})
-    return adapter_base(ModelConfig(**{k: model.get(k) for k in ("path", "preset", "seed") if model.get(k)
-                                       is not None}))[1]
+    try:
+        model = read_trainer_state(path).get("config", {}).get("model", {})
+        return adapter_base(ModelConfig(**{k: model[k] for k in ("path", "preset", "seed")
+                                           if model.get(k) is not None}))[1]
+    except (ShardtuneError, ValueError, TypeError):
+        return None
 
 
 def export_merged(path: Path, out: Path, hf_config: Any, tokenizer: Any, target: torch.dtype,
