@@ -4,8 +4,9 @@
     python bench/peft_bench.py --size 8b --runs lora:1,lora:1:lg --baselines lora:1,lora:1:lg --steps 40
     python bench/peft_bench.py --size tiny --runs lora:2,qlora:2 --baselines lora:1     # CPU plumbing
 
-A run is METHOD:NPROC[:c][:lg] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
-model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline).
+A run is METHOD:NPROC[:c][:lg][:sel] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
+model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline; sel: shardtune's selective
+activation checkpointing instead of full).
 Every step is timed (shardtune log.every=1); rows are the median over the steps after --warmup with min-max.
 shardtune: the preset of --size, long random text (full rows), seq 2048,
 micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
@@ -31,21 +32,23 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
 
 
 def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int,
-                  compile_blocks: bool = False, liger: bool = False, warmup: int = 10) -> dict:
+                  compile_blocks: bool = False, liger: bool = False, warmup: int = 10, ac: str = "full") -> dict:
     preset, seq, prec = PRESETS[size]
-    tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + ("_lg" if liger else "")
+    tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + ("_lg" if liger else "") + \
+        ("_sel" if ac == "selective" else "")
     run_dir = out / f"st_{tag}"
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
            f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
            f"train.micro_batch_size={mbs}", f"train.precision={prec}", f"train.max_steps={steps}", "log.every=1",
            "log.progress=false", "checkpoint.save_final=false", "checkpoint.at_end=false",
-           "parallel.strategy=zero3", "parallel.activation_checkpointing=full", f"peft.method={method}",
+           "parallel.strategy=zero3", f"parallel.activation_checkpointing={ac}", f"peft.method={method}",
            "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}", f"parallel.compile={compile_blocks}",
            f"model.liger={str(liger).lower()}"]
     proc = _run(cmd)
     (out / f"st_{tag}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    result = {"who": "shardtune", "method": _label(method, compile_blocks, liger), "nproc": nproc,
-              "rc": proc.returncode}
+    result = {"who": "shardtune", "method": _label(method, compile_blocks, liger) + ("+sel" if ac == "selective"
+                                                                                    else ""),
+              "nproc": nproc, "rc": proc.returncode}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"loss"' in x]
@@ -95,13 +98,13 @@ def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess
         return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + "\nTIMEOUT")
 
 
-def _pairs(spec: str) -> list[tuple[str, int, bool, bool]]:
-    """'lora:1,qlora:2:c:lg' -> [('lora', 1, False, False), ('qlora', 2, True, True)] (c: compile each
-    block; lg: Liger-Kernel)."""
+def _pairs(spec: str) -> list[tuple[str, int, bool, bool, str]]:
+    """'lora:1,qlora:2:c:lg:sel' -> [('lora', 1, False, False, 'full'), ('qlora', 2, True, True, 'selective')]
+    (c: compile each block; lg: Liger-Kernel; sel: selective activation checkpointing, shardtune only)."""
     out = []
     for item in filter(None, spec.split(",")):
         method, n, *flags = item.split(":")
-        out.append((method, int(n), "c" in flags, "lg" in flags))
+        out.append((method, int(n), "c" in flags, "lg" in flags, "selective" if "sel" in flags else "full"))
     return out
 
 
@@ -133,7 +136,7 @@ def main() -> None:
     if args.first == "shardtune":
         jobs.sort(key=lambda j: j[0] != "shardtune")
     start = time.monotonic()
-    for who, method, n, compile_blocks, liger in jobs:
+    for who, method, n, compile_blocks, liger, ac in jobs:
         left = args.budget - (time.monotonic() - start)
         if args.budget and left < args.min_run:
             print(f"skipped {who} {_label(method, compile_blocks, liger)}: {left:.0f} s of the budget left")
@@ -144,7 +147,7 @@ def main() -> None:
             results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs, liger, args.warmup))
         else:
             results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks,
-                                         liger, args.warmup))
+                                         liger, args.warmup, ac))
         print(json.dumps(results[-1]), flush=True)
         # Written after every run: a call that runs out of time still leaves what it measured.
         (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
