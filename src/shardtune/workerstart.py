@@ -52,16 +52,18 @@ def _detach(dup: Any) -> int:
     return dup.detach()
 
 
-def forkserver_pid() -> int:
+def start_forkserver() -> int:
+    """Start this process's forkserver with the preloads, unless it runs already; its pid."""
+    import multiprocessing
     from multiprocessing import forkserver
 
+    multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
 
 
 def launch(parsed: Any) -> None:
     """torchrun.run(parsed) with the workers forked from the preloaded forkserver; raises as torchrun.run does."""
-    import multiprocessing
     import uuid
 
     from torch.distributed.launcher.api import elastic_launch
@@ -74,8 +76,7 @@ def launch(parsed: Any) -> None:
     config, _cmd, cmd_args = config_from_args(parsed)
     worker_argv = cmd_args[cmd_args.index("shardtune") + 1:]  # [-u, -m, shardtune, ARGS...]
     config.start_method = "forkserver"
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    server = forkserver_pid()
+    server = start_forkserver()
     from multiprocessing import resource_tracker
 
     from shardtune import stop

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, descendants, run_cli
 
-from shardtune.workerstart import WORKER_START_ENV
+from shardtune.workerstart import WORKER_START_ENV, start_forkserver
 
 pytestmark = pytest.mark.dist
 
@@ -57,6 +57,9 @@ def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_
         assert "step 3" in proc.stderr, proc.stderr[-2000:]
         return seen
 
+    # Started here, outside the launches' captured output: the workers' lines must reach the launcher's stderr, not
+    # the forkserver's (as in a session, where the first launch started it).
+    start_forkserver()
     popen = launch("popen", "")
     assert len(popen) == 2 and all("-m\0shardtune\0train" in own for own, _ in popen.values()), popen
     forked = launch("forkserver", "forkserver")
