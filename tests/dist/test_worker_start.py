@@ -59,7 +59,7 @@ def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_
 
     # Started here, outside the launches' captured output: the workers' lines must reach the launcher's stderr, not
     # the forkserver's (as in a session, where the first launch started it).
-    start_forkserver()
+    server = start_forkserver()
     popen = launch("popen", "")
     assert len(popen) == 2 and all("-m\0shardtune\0train" in own for own, _ in popen.values()), popen
     forked = launch("forkserver", "forkserver")
@@ -67,3 +67,5 @@ def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_
     for own, parent in forked.values():  # forked, not exec'd, from the forkserver that imported the loop
         assert own == parent and "multiprocessing.forkserver" in own and "shardtune.train.loop" in own
     assert _losses(tmp_path / "forkserver") == _losses(tmp_path / "popen")
+    # It only imported: a process that has started a thread pool (OpenMP's, after a parallel op) must not fork.
+    assert len(os.listdir(f"/proc/{server}/task")) == 1
