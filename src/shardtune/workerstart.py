@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Any
 
 WORKER_START_ENV = "SHARDTUNE_WORKER_START"
@@ -115,7 +116,16 @@ def worker_main(cwd: str, env: dict[str, str], out_fd: int, err_fd: int, server:
     _before_exit = _report_done(sys._getframe())
     from shardtune.cli import main
 
-    sys.exit(main(argv))
+    try:
+        code = main(argv)
+    except KeyboardInterrupt:  # torch's _wrap would swallow it (exit 0); python -m shardtune ends 130 (cli._worker)
+        code = 130
+    except Exception:  # torch's _wrap would write the traceback to a file only; python -m shardtune prints it
+        traceback.print_exc()
+        code = 1
+    if code:
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _report_done(frame: Any) -> Any:
