@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # header, ~10-20 s of C++ on CPU) compiled by one test are reused by the next, across processes and runs.
 INDUCTOR_CACHE = str(ROOT / ".pytest_cache" / "inductor")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", INDUCTOR_CACHE)
+# Workers forked from a forkserver that imported torch, transformers and the loop once (shardtune/workerstart.py):
+# each launch's workers skip ~6-8 CPU-s of imports each, and launches in this process (run_cli) share one
+# forkserver for the session. SHARDTUNE_WORKER_START= (empty) runs the tests with Popen'd workers.
+os.environ.setdefault("SHARDTUNE_WORKER_START", "forkserver")
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -328,7 +332,20 @@ def _cpu_seconds() -> float:
     import resource
 
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + _forkserver_cpu_seconds()
+
+
+def _forkserver_cpu_seconds() -> float:
+    """The session's forkserver (SHARDTUNE_WORKER_START) and the workers it reaped: this process reaps them only
+    when the forkserver ends, at the end of the session."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() if pid else []
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
 
 
 @pytest.hookimpl(hookwrapper=True)

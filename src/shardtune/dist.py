@@ -119,6 +119,10 @@ def clean_exit(code: int) -> NoReturn:
             pass
     sys.stdout.flush()
     sys.stderr.flush()
+    from shardtune import workerstart
+
+    if workerstart._before_exit is not None:  # forked by the forkserver: the agent waits for this first
+        workerstart._before_exit(code)
     os._exit(code)
 
 

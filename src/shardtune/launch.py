@@ -109,8 +109,13 @@ def run_torchrun(args: list[str], nproc: int, host_fixes: list[str] | None = Non
     # torchrun warns that c10d ignores --node-rank; shardtune passes it on for the record (and uses it itself).
     logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
     previous = signal.signal(stop.SAVE_SIGNAL, stop.forward_to_children)
+    from shardtune import workerstart
+
     try:
-        torchrun.run(torchrun.parse_args(args))
+        if workerstart.wanted():
+            workerstart.launch(torchrun.parse_args(args))
+        else:
+            torchrun.run(torchrun.parse_args(args))
     except SignalException as err:
         # torchrun forwarded the signal and waited for the workers, which saved and said how to resume. A second
         # one while it waited (raised during the first's handling) killed them: they die with this process.

@@ -105,6 +105,9 @@ def signal_name(signum: int) -> str:
 # ---- the launcher and its workers ---------------------------------------------------------------------------
 
 LAUNCHER_PID = "SHARDTUNE_LAUNCHER_PID"
+# The launcher's helper processes (the forkserver and multiprocessing's resource tracker, shardtune/workerstart.py):
+# not workers, and the forkserver's children are.
+helpers: list[int] = []
 _PR_SET_PDEATHSIG = 1
 
 
@@ -141,6 +144,6 @@ def children(pid: int) -> list[int]:
 
 def forward_to_children(signum: int, frame: FrameType | None = None) -> None:
     """A launcher's handler: pass the signal on to every worker (torchrun forwards only stop signals)."""
-    for pid in children(os.getpid()):
+    for pid in [p for parent in (os.getpid(), *helpers) for p in children(parent) if p not in helpers]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
