@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"cluster"},  # launch files for clusters (text only)
     {"dist", "fileio", "metrics", "launch", "runtime"},
+    {"workerstart"},  # the forkserver worker start (tests' CPU launches): launch starts it, dist's exit reports to it
     {"errors"},  # exception types and error_chain, stdlib only: dist and fileio read wrapped errors with it
     {"stop"},  # signal flags and handlers, stdlib only: launch (the launcher's side) imports it
 ]
@@ -37,6 +38,9 @@ UPWARD_ALLOWED = {
     # The train package shares its name with the public API function: once imported it hides the function on the
     # shardtune package, so calling the package dispatches (lazily) to api.train (train/__init__.py).
     ("train", "shardtune.api"),
+    # A worker forked from the forkserver runs the command line as `python -m shardtune ARGS` would: the entry
+    # point it calls, where a Popen'd worker names it on its command line.
+    ("workerstart", "shardtune.cli"),
 }
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
