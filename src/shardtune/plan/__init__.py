@@ -88,9 +88,8 @@ def describe(s: Setting) -> str:
     parts.append("no checkpointing" if s.activation_checkpointing == "none" else
                  f"checkpointing {s.activation_checkpointing}")
     parts.append(f"micro-batch {s.micro_batch_size}")
-    if s.liger_kernels or (s.fused_loss and s.backend == "fsdp2"):
-        parts.append("liger " + ("kernels + fused loss" if s.liger_kernels and s.backend == "fsdp2" else
-                                 "kernels" if s.liger_kernels else "fused loss"))
+    if s.liger_kernels or s.fused_loss_runs:
+        parts.append("liger " + " + ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss_runs))
     return ", ".join(parts)
 
 

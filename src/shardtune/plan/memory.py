@@ -135,7 +135,7 @@ def logits_bytes(m: ModelShape, s: Setting) -> float:
     """The LM head's output and the cross-entropy's buffers at the end of forward: (2p + 8) x V bytes per
     token (compute-dtype logits and their shifted copy, the fp32 upcast, log-softmax's fp32 output); with
     Liger's fused loss, its working set instead (fused_loss_bytes)."""
-    if s.fused_loss and s.backend == "fsdp2":
+    if s.fused_loss_runs:
         return fused_loss_bytes(m, s)
     return LOGITS_FACTOR * (2 * s.compute_bytes + 8) * m.vocab * s.tokens
 

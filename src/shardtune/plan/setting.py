@@ -71,6 +71,11 @@ class Setting:
             return 1 if self.strategy == "ddp" else self.world
         return self.param_shards()
 
+    @property
+    def fused_loss_runs(self) -> bool:
+        """Liger's fused loss is asked for and this backend computes it (DeepSpeed keeps the plain loss)."""
+        return self.fused_loss and self.backend == "fsdp2"
+
     def replace(self, **changes: Any) -> Setting:
         return dataclasses.replace(self, **changes)
 

@@ -104,8 +104,7 @@ def kernel_efficiency(m: ModelShape, s: Setting) -> float:
 
 def liger_efficiency(s: Setting) -> float:
     """Liger's effect on the block and loss kernels (LIGER_EFF); 1 without it. DeepSpeed keeps the plain loss."""
-    fused = s.fused_loss and s.backend == "fsdp2"
-    if not (s.liger_kernels or fused):
+    if not (s.liger_kernels or s.fused_loss_runs):
         return 1.0
     if s.peft != "none":
         return LIGER_EFF["peft"]
