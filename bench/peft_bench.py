@@ -32,7 +32,8 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
 
 
 def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int,
-                  compile_blocks: bool = False, liger: bool = False, warmup: int = 10, ac: str = "full") -> dict:
+                  compile_blocks: bool = False, liger: bool = False, warmup: int = 10, ac: str = "full",
+                  extra: tuple[str, ...] = ()) -> dict:
     preset, seq, prec = PRESETS[size]
     tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + ("_lg" if liger else "") + \
         ("_sel" if ac == "selective" else "")
@@ -43,7 +44,7 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
            "log.progress=false", "checkpoint.save_final=false", "checkpoint.at_end=false",
            "parallel.strategy=zero3", f"parallel.activation_checkpointing={ac}", f"peft.method={method}",
            "peft.r=16", "peft.alpha=32", f"train.output_dir={run_dir}", f"parallel.compile={compile_blocks}",
-           f"model.liger={str(liger).lower()}"]
+           f"model.liger={str(liger).lower()}", *extra]
     proc = _run(cmd)
     (out / f"st_{tag}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     result = {"who": "shardtune", "method": _label(method, compile_blocks, liger) + ("+sel" if ac == "selective"
@@ -122,6 +123,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/shardtune_peft")
     ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per run")
     ap.add_argument("--first", choices=["shardtune", "baselines"], default="shardtune")
+    ap.add_argument("--extra", default="", help="overrides added to every shardtune run, space-separated "
+                    "(e.g. 'log.memory_snapshot=[3,3]': a step inside the warm-up)")
     args = ap.parse_args()
     globals()["TIMEOUT"] = args.timeout
     out = Path(args.out)
@@ -147,7 +150,7 @@ def main() -> None:
             results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs, liger, args.warmup))
         else:
             results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks,
-                                         liger, args.warmup, ac))
+                                         liger, args.warmup, ac, tuple(args.extra.split())))
         print(json.dumps(results[-1]), flush=True)
         # Written after every run: a call that runs out of time still leaves what it measured.
         (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))

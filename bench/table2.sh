@@ -7,7 +7,8 @@
 #   run tool: kind nvidia-h200, carry [".whl"], timeout_s 600, command: bash bench/table2.sh
 #
 # Knobs: RUNS and BASELINES (bench/peft_bench.py specs METHOD:NPROC[:c][:lg]), STEPS (40), WARMUP (10),
-# BUDGET (seconds for the whole script, 560), MBS (2), SIZE (8b).
+# BUDGET (seconds for the whole script, 560), MBS (2), SIZE (8b), EXTRA (overrides for every shardtune run, e.g.
+# EXTRA='log.memory_snapshot=[3,3]': each run's memory/rank0.txt is copied to $OUT/memory/).
 # Writes $OUT/peft_results.jsonl, $OUT/peft_table.md and $OUT/peft_logs.txt (every run's log, long ones cut).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -24,8 +25,13 @@ W=/tmp/shardtune_peft
 rm -rf "$W"
 python3 bench/peft_bench.py --size "${SIZE:-8b}" --runs "$RUNS" --baselines "$BASELINES" --first baselines \
   --steps "${STEPS:-40}" --warmup "${WARMUP:-10}" --mbs "${MBS:-2}" --budget "${BUDGET:-560}" --timeout 240 \
-  --out "$W" | tee "$OUT/peft_table.md"
+  --out "$W" --extra "${EXTRA:-}" | tee "$OUT/peft_table.md"
 cp "$W/peft_results.jsonl" "$OUT/" 2>/dev/null
+for f in "$W"/st_*/memory/*.txt; do
+  [ -f "$f" ] || continue
+  mkdir -p "$OUT/memory"
+  cp "$f" "$OUT/memory/$(basename "$(dirname "$(dirname "$f")")")_$(basename "$f")"
+done
 for f in "$W"/*.log; do
   [ -f "$f" ] || continue
   echo "=================== $(basename "$f")"

@@ -34,7 +34,10 @@ def test_validate_refuses_it_on_a_cpu_in_one_line(cli) -> None:
 
 def _alloc(addr: int, mib: int, where: str) -> dict:
     return {"action": "alloc", "addr": addr, "size": mib * MIB,
-            "frames": [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+            # as CUDA records them: the allocator's C++ frames first, then torch's Python, then the caller's
+            "frames": [{"filename": "memory_snapshot.cpp", "line": 0, "name": "gather_with_cpp()"},
+                       {"filename": "??", "line": 0, "name": "at::native::empty_cuda"},
+                       {"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
                        {"filename": f"/src/{where}.py", "line": 7, "name": where}]}
 
 
@@ -45,17 +48,17 @@ def _free(addr: int, mib: int) -> dict:
 def test_the_peak_is_found_by_replaying_allocs_and_frees() -> None:
     """Logits (300 MiB) freed before the gradients (200 MiB) come: the peak is activations + logits, not the
     sum of everything ever allocated; a free_completed after free_requested is not counted twice."""
-    trace = [_alloc(1, 100, "attention"), _alloc(2, 300, "logits"), _free(2, 300),
-             {"action": "free_completed", "addr": 2, "size": 300 * MIB}, _alloc(3, 200, "grads"), _free(1, 100),
-             _alloc(4, 50, "optimizer")]
+    trace = [_alloc(1, 60, "attention"), _alloc(5, 40, "attention"), _alloc(2, 300, "logits"), _free(2, 300),
+             {"action": "free_completed", "addr": 2, "size": 300 * MIB}, _alloc(3, 200, "grads"), _free(1, 60),
+             _free(5, 40), _alloc(4, 50, "optimizer")]
     peak, live = peak_allocations({"device_traces": [trace]}, baseline=1000 * MIB)
     assert peak == (1000 + 400) * MIB
-    assert [e["addr"] for e in live] == [2, 1]  # alive at the peak, largest first
+    assert [e["addr"] for e in live] == [2, 1, 5]  # alive at the peak, largest first
     text = summary_text({"device_traces": [trace]}, 1000 * MIB, "steps 3-4")
     assert text.startswith("CUDA memory, steps 3-4: peak 1.37 GiB allocated (0.98 GiB already allocated")
     first, second = text.splitlines()[2:4]
     assert "300.0 MiB" in first and "/src/logits.py:7 logits" in first  # the caller, not torch's own frame
-    assert "100.0 MiB" in second and "attention" in second
+    assert "100.0 MiB" in second and "2 x" in second and "/src/attention.py:7" in second  # summed by line
 
 
 def test_the_oom_line_names_the_snapshot(tmp_path: Path) -> None:

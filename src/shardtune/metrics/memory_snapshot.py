@@ -1,7 +1,7 @@
 """`log.memory_snapshot: [A, B]`: PyTorch's CUDA allocator history of optimizer steps A..B (1-based, as
 metrics.jsonl counts them), per rank: OUTPUT_DIR/memory/rank{R}.pickle, which PyTorch's memory viewer opens
 (https://pytorch.org/memory_viz, drag the file in), and rank{R}.txt, a short summary: the peak allocated during
-those steps and the largest allocations alive at that moment, each with the first frame of the code that made it.
+those steps and the allocations alive at that moment summed by the line of code (outside torch) that made them.
 An out-of-memory error while recording writes both too, up to the failed allocation (the one-line OOM error
 names the files). CUDA only (`torch.cuda.memory._record_memory_history`); validate refuses it on other devices.
 """
@@ -82,25 +82,34 @@ def peak_allocations(snapshot: dict[str, Any], baseline: int = 0) -> tuple[int, 
 
 
 def _where(event: dict[str, Any]) -> str:
-    """The first frame outside torch's own files (the model or shardtune code that asked), else the first."""
+    """The first Python frame outside torch's own files (the model, PEFT or shardtune line that asked), else the
+    first Python frame, else the first frame. CUDA snapshots start with C++ frames (the allocator's own, e.g.
+    memory_snapshot.cpp's gather_with_cpp), which name no caller."""
     frames = event.get("frames") or []
-    for frame in frames:
-        name = str(frame.get("filename", ""))
-        if "/torch/" not in name and not name.startswith("??"):
-            return f"{name}:{frame.get('line')} {frame.get('name')}"
-    if frames:
-        return f"{frames[0].get('filename')}:{frames[0].get('line')} {frames[0].get('name')}"
+    python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    for frame in python:
+        if "/torch/" not in str(frame.get("filename", "")):
+            return f"{frame.get('filename')}:{frame.get('line')} {frame.get('name')}"
+    for frame in python or frames:
+        return f"{frame.get('filename')}:{frame.get('line')} {frame.get('name')}"
     return "?"
 
 
 def summary_text(snapshot: dict[str, Any], baseline: int, steps: str) -> str:
-    """The text beside the pickle: the peak and the largest allocations alive at it, with where they were made."""
+    """The text beside the pickle: the peak and the allocations alive at it, summed by the line that made them,
+    largest first (a model's blocks make the same allocation once each: one line with its count)."""
     peak, live = peak_allocations(snapshot, baseline)
-    gib = 2**30
+    gib, mib = 2**30, 2**20
+    by_where: dict[str, list[int]] = {}
+    for event in live:
+        total_count = by_where.setdefault(_where(event), [0, 0])
+        total_count[0] += int(event.get("size", 0))
+        total_count[1] += 1
+    traced = sum(int(e.get("size", 0)) for e in live)
     lines = [f"CUDA memory, {steps}: peak {peak / gib:.2f} GiB allocated ({baseline / gib:.2f} GiB already "
              f"allocated when recording started, {len(live)} traced allocations alive at the peak)",
-             f"largest at the peak (of {sum(int(e.get('size', 0)) for e in live) / gib:.2f} GiB traced):"]
-    for event in live[:TOP]:
-        lines.append(f"  {int(event.get('size', 0)) / 2**20:10.1f} MiB  {_where(event)}")
+             f"alive at the peak by the line that allocated them (of {traced / gib:.2f} GiB traced):"]
+    for where, (size, count) in sorted(by_where.items(), key=lambda kv: -kv[1][0])[:TOP]:
+        lines.append(f"  {size / mib:10.1f} MiB  {count:4d} x  {where}")
     lines.append("open the .pickle in https://pytorch.org/memory_viz for the timeline")
     return "\n".join(lines) + "\n"
