@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -124,7 +125,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per run")
     ap.add_argument("--first", choices=["shardtune", "baselines"], default="shardtune")
     ap.add_argument("--extra", default="", help="overrides added to every shardtune run, space-separated "
-                    "(e.g. 'log.memory_snapshot=[3,3]': a step inside the warm-up)")
+                    "with shell quoting, e.g. \"log.memory_snapshot=[3,3] 'log.profile={start: 5, steps: 2}'\" "
+                    "(steps inside the warm-up)")
     args = ap.parse_args()
     globals()["TIMEOUT"] = args.timeout
     out = Path(args.out)
@@ -150,7 +152,7 @@ def main() -> None:
             results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs, liger, args.warmup))
         else:
             results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks,
-                                         liger, args.warmup, ac, tuple(args.extra.split())))
+                                         liger, args.warmup, ac, tuple(shlex.split(args.extra))))
         print(json.dumps(results[-1]), flush=True)
         # Written after every run: a call that runs out of time still leaves what it measured.
         (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))

@@ -85,6 +85,21 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                              "train.micro_batch_size=2", "parallel.activation_checkpointing=full",
                                              "model.liger=true"]),
     ],
+    # Measured by bench/table1.sh and bench/table2.sh on 2026-12-02 (second session): QLoRA with Liger, selective
+    # checkpointing, ddp on one GPU.
+    "e": [
+        ("8b-qlora-mb2-ac-liger", "8b-qlora", [*EIGHT_B, "peft.method=qlora", "parallel.strategy=zero3",
+                                               "train.micro_batch_size=2", "parallel.activation_checkpointing=full",
+                                               "model.liger=true"]),
+        ("8b-qlora-mb2-ac-compile-liger", "8b-qlora", [*EIGHT_B, "peft.method=qlora", "parallel.strategy=zero3",
+                                                       "train.micro_batch_size=2", "parallel.compile=true",
+                                                       "parallel.activation_checkpointing=full", "model.liger=true"]),
+        ("8b-lora-mb2-sel-liger", "8b-lora", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
+                                              "train.micro_batch_size=2",
+                                              "parallel.activation_checkpointing=selective", "model.liger=true"]),
+        ("1b-ddp-mb4-compile-ligerloss", "1b-compile", [*ONE_B, "parallel.strategy=ddp", "train.micro_batch_size=4",
+                                                        "parallel.compile=true", "model.liger=loss"]),
+    ],
     "tiny": [
         ("tiny-zero2", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero2", "train.micro_batch_size=2",
                                 "train.seq_len=256"]),

@@ -8,7 +8,8 @@
 #
 # Knobs: RUNS and BASELINES (bench/peft_bench.py specs METHOD:NPROC[:c][:lg]), STEPS (40), WARMUP (10),
 # BUDGET (seconds for the whole script, 560), MBS (2), SIZE (8b), EXTRA (overrides for every shardtune run, e.g.
-# EXTRA='log.memory_snapshot=[3,3]': each run's memory/rank0.txt is copied to $OUT/memory/).
+# EXTRA='log.memory_snapshot=[3,3]': each run's memory/rank0.txt is copied to $OUT/memory/, and profile/*.txt
+# to $OUT/profile/).
 # Writes $OUT/peft_results.jsonl, $OUT/peft_table.md and $OUT/peft_logs.txt (every run's log, long ones cut).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -27,10 +28,11 @@ python3 bench/peft_bench.py --size "${SIZE:-8b}" --runs "$RUNS" --baselines "$BA
   --steps "${STEPS:-40}" --warmup "${WARMUP:-10}" --mbs "${MBS:-2}" --budget "${BUDGET:-560}" --timeout 240 \
   --out "$W" --extra "${EXTRA:-}" | tee "$OUT/peft_table.md"
 cp "$W/peft_results.jsonl" "$OUT/" 2>/dev/null
-for f in "$W"/st_*/memory/*.txt; do
+for f in "$W"/st_*/memory/*.txt "$W"/st_*/profile/*.txt; do  # log.memory_snapshot / log.profile summaries
   [ -f "$f" ] || continue
-  mkdir -p "$OUT/memory"
-  cp "$f" "$OUT/memory/$(basename "$(dirname "$(dirname "$f")")")_$(basename "$f")"
+  d=$(basename "$(dirname "$f")")
+  mkdir -p "$OUT/$d"
+  cp "$f" "$OUT/$d/$(basename "$(dirname "$(dirname "$f")")")_$(basename "$f")"
 done
 for f in "$W"/*.log; do
   [ -f "$f" ] || continue

@@ -33,6 +33,8 @@ def test_profile_writes_a_chrome_trace_per_rank_for_the_chosen_steps(two):
         names = [e.get("name", "") for e in trace["traceEvents"]]
         assert sum(n.startswith("ProfilerStep#") for n in names) == 2  # steps 2 and 3, one span each
         assert any(n.startswith("aten::") for n in names)
+        table = (out / "profile" / f"rank{rank}.txt").read_text()  # the ops by time, beside the trace
+        assert table.startswith("steps 2-3, by self_cpu_time_total") and "aten::mm" in table, table
     assert not (Path(two["zero2"]["output_dir"]) / "profile").exists()  # off unless log.profile is set
 
 

@@ -1,6 +1,8 @@
 """`log.profile: {start: S, steps: K}`: optimizer steps S..S+K-1 (1-based, as metrics.jsonl counts them) run
 under torch.profiler, and each rank writes a Chrome / Perfetto trace, OUTPUT_DIR/profile/rank{R}.json (open it
-in chrome://tracing or ui.perfetto.dev). CPU activity everywhere, CUDA kernels on GPUs."""
+in chrome://tracing or ui.perfetto.dev), and rank{R}.txt, the operators and kernels that took the most time
+(torch.profiler's own table: by CUDA time on GPUs, by CPU time elsewhere). CPU activity everywhere, CUDA kernels
+on GPUs."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ from typing import Any
 
 import torch
 
+TOP = 30  # rows of the text table
+
 
 class StepProfiler:
     def __init__(self, start: int, steps: int, out: Path, rank: int, device: torch.device) -> None:
         self.first, self.last = start, start + steps - 1
         self.path = out / "profile" / f"rank{rank}.json"
+        self.table_path = self.path.with_suffix(".txt")
         self.device = device
         self.prof: Any = None
         self.span: Any = None  # the current step's record_function
@@ -54,4 +59,8 @@ class StepProfiler:
         prof.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))
+        sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        steps = f"steps {self.first}-{self.last}"
+        self.table_path.write_text(f"{steps}, by {sort_by}\n" +
+                                   prof.key_averages().table(sort_by=sort_by, row_limit=TOP) + "\n")
         return self.path
