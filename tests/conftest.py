@@ -79,14 +79,51 @@ def run(cmd: list[str], timeout: float = 600, cwd: Path = ROOT,
 
 def torchrun(nproc: int, script_and_args: list[str], timeout: float = 600,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Launch a script on `nproc` gloo processes with torchrun; fail the test with its output if it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *script_and_args]
-    proc = run(cmd, timeout, env=env)
+    """Launch a script on `nproc` gloo processes with torchrun; fail the test with its output if it fails.
+
+    With SHARDTUNE_WORKER_START=forkserver (the default here) torchrun's agent runs in this process and forks the
+    workers from the session's preloaded forkserver (`_torchrun_here`); otherwise `python -m torch.distributed.run`
+    starts them."""
+    args = ["--standalone", f"--nproc-per-node={nproc}", *script_and_args]
+    from shardtune import workerstart
+
+    if workerstart.wanted():
+        proc = _torchrun_here(args, timeout, env)
+    else:
+        proc = run([sys.executable, "-m", "torch.distributed.run", *args], timeout, env=env)
     if proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _torchrun_here(args: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """torchrun ARGS with its agent in this process (`in_this_process`) and the workers forked from the session's
+    forkserver, which imported torch, transformers and the loop once (shardtune/workerstart.py): ~6-8 CPU-s of
+    imports saved per worker, and the launcher's own interpreter start. A worker that outlives `timeout` is killed,
+    so the launch fails as a Popen'd one would."""
+    import threading
+    import traceback
+
+    import torch.distributed.run as torchrun_module
+
+    from shardtune import workerstart
+
+    code = 1
+    with in_this_process(env) as output:
+        server = workerstart.start_forkserver()
+        before = set(descendants(server))
+        watchdog = threading.Timer(timeout, lambda: [_kill_tree(p) for p in set(descendants(server)) - before])
+        watchdog.start()
+        try:
+            workerstart.launch(torchrun_module.parse_args(args))
+            code = 0
+        except Exception:  # a worker failed (ChildFailedError) or the launch did: its output says which
+            traceback.print_exc()
+        finally:
+            watchdog.cancel()
+    out, err = output()
+    return subprocess.CompletedProcess(["torchrun", *args], code, out, err)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -161,7 +198,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[dict, dict]:
     """(one process, two processes): the FSDP2 variants' results, shared by the parity and DeepSpeed tests."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    env = {"SHARDTUNE_TEST_MODEL_DIR": str(tiny_model_dir)}
+    # MLflow 3 refuses a file store unless told (the zero3 variant logs to one); wandb: no banner lines.
+    env = {"SHARDTUNE_TEST_MODEL_DIR": str(tiny_model_dir), "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
     one = worker_results(tmp / "one", 1, 4, ONE_PROCESS_VARIANTS, env)
     two = worker_results(tmp / "two", 2, 2, TWO_PROCESS_VARIANTS, env)
     return one, two

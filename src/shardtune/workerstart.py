@@ -22,6 +22,8 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.ll
            "shardtune.workerstart", "shardtune.cli", "shardtune.train.loop"]
 # The forkserver's environment when it imported this module: what a worker's rank variables are told apart from.
 _BASELINE = dict(os.environ)
+# worker_main's argv starts with this when the launch runs a Python script instead of `shardtune`.
+SCRIPT = "--script"
 # The launch that forked this worker: called by clean_exit before it ends the process (see `_report_done`).
 _before_exit: Any = None
 
@@ -75,7 +77,14 @@ def launch(parsed: Any) -> None:
     if parsed.master_port is None:
         parsed.master_port = 29500
     config, _cmd, cmd_args = config_from_args(parsed)
-    worker_argv = cmd_args[cmd_args.index("shardtune") + 1:]  # [-u, -m, shardtune, ARGS...]
+    # [-u, -m, shardtune, ARGS...] runs `shardtune ARGS`; [-u, SCRIPT.py, ARGS...] runs the script (a test's worker).
+    if parsed.module:
+        if parsed.training_script != "shardtune":
+            raise ValueError(f"{WORKER_START_ENV}=forkserver runs `-m shardtune` or a script, "
+                             f"not -m {parsed.training_script}")
+        worker_argv = cmd_args[cmd_args.index("shardtune") + 1:]
+    else:
+        worker_argv = [SCRIPT, *cmd_args[cmd_args.index(parsed.training_script):]]
     config.start_method = "forkserver"
     server = start_forkserver()
     from multiprocessing import resource_tracker
@@ -93,7 +102,7 @@ def launch(parsed: Any) -> None:
 
 def worker_main(cwd: str, env: dict[str, str], out_fd: int, err_fd: int, server: int, argv: list[str]) -> None:
     """A worker forked from the forkserver: take on the launcher's state, then run `shardtune ARGS` as
-    `python -m shardtune ARGS` would."""
+    `python -m shardtune ARGS` would, or [SCRIPT, PATH, ARGS...] as `python PATH ARGS` would."""
     os.setsid()  # as torchrun's Popen: a terminal's Ctrl-C reaches the launcher, which forwards it
     sys.stdout.flush()
     sys.stderr.flush()
@@ -111,13 +120,10 @@ def worker_main(cwd: str, env: dict[str, str], out_fd: int, err_fd: int, server:
 
     os.environ[stop.LAUNCHER_PID] = str(server)  # the worker's parent, which dies with the launcher
     os.chdir(cwd)
-    sys.argv = [os.path.join(os.path.dirname(__file__), "__main__.py"), *argv]
     global _before_exit
     _before_exit = _report_done(sys._getframe())
-    from shardtune.cli import main
-
     try:
-        code = main(argv)
+        code = _run_script(argv[1], argv[2:]) if argv[:1] == [SCRIPT] else _run_cli(argv)
     except KeyboardInterrupt:  # torch's _wrap would swallow it (exit 0); python -m shardtune ends 130 (cli._worker)
         code = 130
     except Exception:  # torch's _wrap would write the traceback to a file only; python -m shardtune prints it
@@ -126,6 +132,26 @@ def worker_main(cwd: str, env: dict[str, str], out_fd: int, err_fd: int, server:
     if code:
         sys.stderr.flush()
         os._exit(code)
+
+
+def _run_cli(argv: list[str]) -> int:
+    sys.argv = [os.path.join(os.path.dirname(__file__), "__main__.py"), *argv]
+    from shardtune.cli import main
+
+    return main(argv)
+
+
+def _run_script(path: str, args: list[str]) -> int:
+    """`python PATH ARGS`: the script's folder first on sys.path, run as __main__; its exit code."""
+    import runpy
+
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as err:
+        return err.code if isinstance(err.code, int) else int(err.code is not None)
+    return 0
 
 
 def _report_done(frame: Any) -> Any:

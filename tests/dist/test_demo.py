@@ -54,8 +54,8 @@ def test_started_by_torchrun_directly(tmp_path):
            "-m", "shardtune", "train", TINY, "train.max_steps=4", "log.every=2", f"train.output_dir={out}",
            "train.eval_batches=1", f"data.cache_dir={tmp_path / 'cache'}"]
     proc = run(cmd)
-    # torchrun's own report ends stderr: show the workers' error lines too
-    assert proc.returncode == 0, "\n".join(x for x in proc.stderr.splitlines() if "rror" in x)[-6000:]
+    # torchrun's own report ends stderr: show the workers' lines before it too
+    assert proc.returncode == 0, proc.stderr[-8000:]
     assert [r["step"] for r in _records(out) if not r.get("eval")] == [2, 4]
     assert "2 x cpu" in proc.stderr
 

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, descendants, run_cli
+from conftest import ROOT, descendants, run_cli, torchrun
 
 from shardtune.workerstart import WORKER_START_ENV, start_forkserver
 
@@ -69,3 +69,31 @@ def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_
     assert _losses(tmp_path / "forkserver") == _losses(tmp_path / "popen")
     # It only imported: a process that has started a thread pool (OpenMP's, after a parallel op) must not fork.
     assert len(os.listdir(f"/proc/{server}/task")) == 1
+
+
+SCRIPT = """import json, os, sys
+start_modules = sorted(m for m in ("transformers", "shardtune.train.loop") if m in sys.modules)
+from shardtune.dist import clean_exit, init_distributed
+ctx = init_distributed()
+cmdline = open("/proc/self/cmdline", "rb").read().decode(errors="replace")
+out = os.path.join(sys.argv[1], f"rank{ctx.rank}.json")
+json.dump({"argv": sys.argv, "world": ctx.world, "cmdline": cmdline, "preloaded": start_modules,
+           "path0": sys.path[0]}, open(out, "w"))
+print(f"rank {ctx.rank} wrote {out}")
+clean_exit(0)
+"""
+
+
+def test_the_tests_script_launches_fork_their_workers_too(tmp_path):
+    """conftest.torchrun (every multi-process test's worker script) under the forkserver: the workers are forked
+    from it with its imports done, run the script as `python SCRIPT ARGS` would (argv, its folder first on
+    sys.path), in one process group, and their lines reach the caller."""
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    proc = torchrun(2, [str(script), str(tmp_path), "x"])
+    assert "rank 0 wrote" in proc.stdout and "rank 1 wrote" in proc.stdout, proc.stdout
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["argv"] == [str(script), str(tmp_path), "x"] and got["world"] == 2
+        assert "multiprocessing.forkserver" in got["cmdline"]  # forked, never exec'd
+        assert got["preloaded"] == ["shardtune.train.loop", "transformers"] and got["path0"] == str(tmp_path)

@@ -319,9 +319,12 @@ def main() -> None:
         # The plain strategies write OUTPUT_DIR/report as `train` does by default (tests/dist/test_report.py reads
         # them); the other variants skip its ~1 s of plotting.
         overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}", f"log.report={not opts}",
-                     # zero3 also traces steps 2-3 with torch.profiler and writes TensorBoard events
-                     # (tests/dist/test_monitors.py)
-                     *(["log.profile={start: 2, steps: 2}", "log.tensorboard=true"] if variant == "zero3" else []),
+                     # zero3 also traces steps 2-3 with torch.profiler and logs to TensorBoard, Weights & Biases
+                     # (offline) and MLflow (a file store) (tests/dist/test_monitors.py)
+                     *(["log.profile={start: 2, steps: 2}", "log.tensorboard=true",
+                        "log.wandb={project: shardtune-tests, mode: offline}",
+                        f"log.mlflow={{experiment: shardtune-tests, tracking_uri: 'file://{out / 'mlruns'}'}}"]
+                       if variant == "zero3" else []),
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
         probe, graphs = Probe(), compiled_graphs()
         PROBES.clear()

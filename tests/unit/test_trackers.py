@@ -1,16 +1,18 @@
 """Trackers (metrics/trackers.py): which numbers of a record they get, and the refusal of one that is configured
-but not installed. TensorBoard's event files from a real run are read in tests/dist/test_monitors.py."""
+but not installed or does not start. What TensorBoard, W&B (offline) and MLflow (a file store) received from a
+real run is read back in tests/dist/test_monitors.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
+import sys
 
 import pytest
 from conftest import ROOT, one_line_error
 
 from shardtune.config import load_config
-from shardtune.metrics.trackers import _flat, configured, scalars
+from shardtune.errors import ShardtuneError
+from shardtune.metrics.trackers import _flat, configured, make_trackers, scalars
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -32,8 +34,19 @@ def test_the_keys_and_what_they_turn_on():
 
 
 @pytest.mark.parametrize("key, value", [("wandb", "{project: p}"), ("mlflow", "{experiment: e}")])
-def test_a_tracker_that_is_not_installed_is_refused_in_one_line(cli, key, value):
-    if importlib.util.find_spec(key) is not None:
-        pytest.skip(f"{key} is installed here")
+def test_a_tracker_that_is_not_installed_is_refused_in_one_line(cli, monkeypatch, key, value):
+    # CI installs both; None in sys.modules is Python's own way to make a module unimportable (find_spec: None).
+    monkeypatch.setitem(sys.modules, key, None)
     one_line_error(cli("validate", TINY, f"log.{key}={value}"), f"log.{key}: the {key} package is not installed",
                    f"pip install {key}")
+
+
+def test_a_tracker_that_does_not_start_stops_the_run_in_one_line(tmp_path):
+    """Installed but not starting (here MLflow, the real package, given a tracking URI it has no store for): one
+    line naming the tracker and MLflow's own reason, before any training."""
+    cfg = load_config(TINY, ["log.mlflow={experiment: e, tracking_uri: 'nosuch://host/x'}"])
+    with pytest.raises(ShardtuneError) as err:
+        make_trackers(cfg.log, tmp_path, {})
+    message = str(err.value)
+    assert message.startswith("log.mlflow: mlflow did not start: ") and "nosuch" in message, message
+    assert "\n" not in message

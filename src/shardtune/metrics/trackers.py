@@ -9,12 +9,15 @@
 
 Each gets every record metrics.jsonl gets: train records' numbers as train/KEY, evaluation records' as eval/KEY,
 at the record's optimizer step; the resolved config once at the start. A tracker that is configured but not
-installed is refused before the run starts (validate), in one line with the install command.
+installed is refused before the run starts (validate), in one line with the install command; one that is
+installed but does not start (wandb online without a login, MLflow 3 refusing a file store without
+MLFLOW_ALLOW_FILE_STORE=true) stops the run at its start in one line naming the tracker and the package's reason.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -110,11 +113,20 @@ def configured(log_cfg: Any) -> list[str]:
 
 def make_trackers(log_cfg: Any, out: Path, config: dict[str, Any]) -> list[Tracker]:
     """The configured trackers (call on rank 0 only)."""
-    trackers: list[Tracker] = []
-    if log_cfg.tensorboard:
-        trackers.append(TensorBoardTracker(out, config))
-    if log_cfg.wandb is not None:
-        trackers.append(WandbTracker(out, config, log_cfg.wandb))
-    if log_cfg.mlflow is not None:
-        trackers.append(MlflowTracker(out, config, log_cfg.mlflow))
-    return trackers
+    makers: dict[str, Callable[[], Tracker]] = {
+        "tensorboard": lambda: TensorBoardTracker(out, config),
+        "wandb": lambda: WandbTracker(out, config, log_cfg.wandb),
+        "mlflow": lambda: MlflowTracker(out, config, log_cfg.mlflow),
+    }
+    return [_start(name, makers[name]) for name in configured(log_cfg)]
+
+
+def _start(name: str, make: Callable[[], Tracker]) -> Tracker:
+    """The tracker, or a one-line error with the package's own first line of why it did not start."""
+    from shardtune.errors import ShardtuneError
+
+    try:
+        return make()
+    except Exception as err:
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ShardtuneError(f"log.{name}: {PACKAGES[name]} did not start: {why}") from err
