@@ -283,6 +283,33 @@ def cli() -> Callable[..., CliResult]:
     return run_cli
 
 
+# --- No test leaves launcher state in this process's environment ---------------------------------------------------
+# The launcher marks its workers' environment (SHARDTUNE_LAUNCHER_PID: a worker whose parent is not that process
+# has lost its launcher; the run-dir lock's key). Left in this process by one test, they reach the next test's
+# subprocesses: a `torchrun -m shardtune` worker then took another process for its launcher and exited (the
+# parallel-only failure of test_started_by_torchrun_directly, after test_cluster's in-process launch). Commands run
+# in-process through `in_this_process`, which puts the environment back; this fails a test that changed it anyway.
+# (The rank variables that an in-process single-rank process group sets stay: that group lives for the session.)
+
+
+def _launch_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("SHARDTUNE_")}
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env_left_behind() -> Iterator[None]:
+    before = _launch_env()
+    yield
+    after = _launch_env()
+    if after != before:
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        os.environ.update(before)
+        changed = sorted(k for k in after.keys() | before.keys() if after.get(k) != before.get(k))
+        pytest.fail(f"the test left {', '.join(changed)} changed in the test process's environment (run commands "
+                    "through run_cli / in_this_process, or restore it with monkeypatch)")
+
+
 # --- A full disk: a small tmpfs -----------------------------------------------------------------------------------
 TMPFS_SKIP = "needs root and a mountable tmpfs to fill a disk"
 

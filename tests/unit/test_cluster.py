@@ -195,10 +195,12 @@ def test_rendezvous_that_never_completes_is_one_line(cli, tmp_path, monkeypatch,
     from shardtune.launch import LaunchOptions, run_torchrun, torchrun_args
 
     for key in ("OMP_NUM_THREADS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "SHARDTUNE_LAUNCHER_PID", "PYTHONUNBUFFERED"):
-        if key in os.environ:  # the in-process launcher sets these; restored after the test
-            monkeypatch.setenv(key, os.environ[key])
-        else:
-            monkeypatch.delenv(key, raising=False)
+        # The in-process launcher sets these; restored after the test. setenv records an absent key as absent
+        # (delenv(raising=False) of an absent key records nothing: the launcher's value stayed, see conftest).
+        present = key in os.environ
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        if not present:
+            monkeypatch.delenv(key)
     monkeypatch.setenv("SHARDTUNE_RDZV_TIMEOUT", "2")
     endpoint = f"127.0.0.1:{_free_port()}"
     start = time.monotonic()

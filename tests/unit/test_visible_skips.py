@@ -70,7 +70,8 @@ def test_in_ci_a_module_level_skip_is_a_collection_error(suite, monkeypatch):
     monkeypatch.setenv("CI", "true")
     result = suite.runpytest_subprocess("test_module_skip.py")
     result.stdout.fnmatch_lines(["*ERROR collecting test_module_skip.py*", "*skipped in CI: could not import*"])
-    assert result.ret == pytest.ExitCode.INTERRUPTED
+    # The run fails: a collection error interrupts a one-process session (2) and fails an xdist one (1).
+    assert result.ret in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED)
     monkeypatch.delenv("CI")
     result = suite.runpytest_subprocess("test_module_skip.py")
     result.assert_outcomes(skipped=1)
