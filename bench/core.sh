@@ -24,7 +24,8 @@
 #   T          per-run timeout in seconds (default 150; 8b 300)
 #   BUDGET     seconds for the whole script (default 560; the device allows 600 per command); a run
 #              gets min(T, what is left), and is skipped when fewer than MIN_T (default 45) remain
-#   EXTRA      extra shardtune overrides for every variant, e.g. "optim.fused=false"
+#   EXTRA      extra shardtune overrides for every variant, shell-quoted, e.g. "optim.fused=false" or
+#              "'log.profile={start: 20, steps: 2}'" (a value with spaces in its own quotes)
 #   BEXTRA     extra hf_baseline.py arguments, e.g. "--steps 30"
 #   SECOND_REF a second ratio column (summarize.py --second-ref; default fsdp2c)   SPREAD=1  a min-max column
 #   SKIP_INSTALL=1  do not pip-install .whl (automatic when there is no GPU or no .whl/*.whl)
@@ -172,7 +173,8 @@ run_variant() {
     return
   fi
   rm -rf "${W:?}/$v"
-  # shellcheck disable=SC2086  # EXTRA is a list of overrides
+  local extra=()
+  eval "extra=($EXTRA)"  # shell quoting, so one override may hold spaces (a YAML flow mapping)
   run_one "$v" shardtune "$W/$v/metrics.jsonl" \
     python3 -m shardtune train bench/bench.yaml --nproc "$N" \
       model.preset="$PRESET" data.train_file="$W/long.jsonl" data.eval_fraction=0 \
@@ -180,7 +182,7 @@ run_variant() {
       parallel.backend="$backend" parallel.offload="$offload" model.liger="$liger" \
       train.precision="$PREC" train.seq_len="$SEQ" train.micro_batch_size="$MBS" train.grad_accum=1 \
       train.max_steps="$STEPS" train.output_dir="$W/$v" \
-      log.every="$EVERY" log.progress=false log.jsonl=true checkpoint.save_final=false $EXTRA
+      log.every="$EVERY" log.progress=false log.jsonl=true checkpoint.save_final=false "${extra[@]}"
 }
 
 run_baseline() {
