@@ -125,13 +125,13 @@ def die_with_parent() -> None:
     launcher = os.environ.get(LAUNCHER_PID)
     # Not our parent is not enough: the variable is inherited, so a `torchrun -m shardtune` started from a process
     # that a launcher marked (a test session, a job script) names a process that is alive and not its launcher.
-    if launcher and os.getppid() != int(launcher) and not _alive(int(launcher)):
+    if launcher and os.getppid() != int(launcher) and not alive(int(launcher)):
         print(f"error: the shardtune launcher (pid {launcher}) ended before this worker started; this worker stops",
               file=sys.stderr, flush=True)
         os._exit(1)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """The process exists and has not exited (a zombie has)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

@@ -22,8 +22,6 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.ll
            "shardtune.workerstart", "shardtune.cli", "shardtune.train.loop"]
 # The forkserver's environment when it imported this module: what a worker's rank variables are told apart from.
 _BASELINE = dict(os.environ)
-# worker_main's argv starts with this when the launch runs a Python script instead of `shardtune`.
-SCRIPT = "--script"
 # The launch that forked this worker: called by clean_exit before it ends the process (see `_report_done`).
 _before_exit: Any = None
 
@@ -82,9 +80,9 @@ def launch(parsed: Any) -> None:
         if parsed.training_script != "shardtune":
             raise ValueError(f"{WORKER_START_ENV}=forkserver runs `-m shardtune` or a script, "
                              f"not -m {parsed.training_script}")
-        worker_argv = cmd_args[cmd_args.index("shardtune") + 1:]
+        script, worker_argv = None, cmd_args[cmd_args.index("shardtune") + 1:]
     else:
-        worker_argv = [SCRIPT, *cmd_args[cmd_args.index(parsed.training_script):]]
+        script, worker_argv = parsed.training_script, cmd_args[cmd_args.index(parsed.training_script) + 1:]
     config.start_method = "forkserver"
     server = start_forkserver()
     from multiprocessing import resource_tracker
@@ -95,14 +93,15 @@ def launch(parsed: Any) -> None:
     stop.helpers[:] = [p for p in (server, resource_tracker._resource_tracker._pid) if p]  # type: ignore[attr-defined]
     try:
         elastic_launch(config, entrypoint=worker_main)(os.getcwd(), dict(os.environ), _Fd(1), _Fd(2), server,
-                                                      worker_argv)
+                                                      script, worker_argv)
     finally:
         stop.helpers[:] = []
 
 
-def worker_main(cwd: str, env: dict[str, str], out_fd: int, err_fd: int, server: int, argv: list[str]) -> None:
-    """A worker forked from the forkserver: take on the launcher's state, then run `shardtune ARGS` as
-    `python -m shardtune ARGS` would, or [SCRIPT, PATH, ARGS...] as `python PATH ARGS` would."""
+def worker_main(cwd: str, env: dict[str, str], out_fd: int, err_fd: int, server: int, script: str | None,
+                argv: list[str]) -> None:
+    """A worker forked from the forkserver: take on the launcher's state, then run `shardtune ARGV` as
+    `python -m shardtune ARGV` would, or, given a script, `python SCRIPT ARGV`."""
     os.setsid()  # as torchrun's Popen: a terminal's Ctrl-C reaches the launcher, which forwards it
     sys.stdout.flush()
     sys.stderr.flush()
@@ -123,7 +122,7 @@ def worker_main(cwd: str, env: dict[str, str], out_fd: int, err_fd: int, server:
     global _before_exit
     _before_exit = _report_done(sys._getframe())
     try:
-        code = _run_script(argv[1], argv[2:]) if argv[:1] == [SCRIPT] else _run_cli(argv)
+        code = _run_cli(argv) if script is None else _run_script(script, argv)
     except KeyboardInterrupt:  # torch's _wrap would swallow it (exit 0); python -m shardtune ends 130 (cli._worker)
         code = 130
     except Exception:  # torch's _wrap would write the traceback to a file only; python -m shardtune prints it

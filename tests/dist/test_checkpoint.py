@@ -21,6 +21,7 @@ from conftest import ROOT, _env, descendants, one_line_error, run_cli
 
 from shardtune.checkpoint.dcp_files import SafeReader, read_tensor
 from shardtune.checkpoint.layout import complete_checkpoints, is_complete, resolve_checkpoint, verify
+from shardtune.stop import alive
 
 pytestmark = pytest.mark.dist
 
@@ -439,14 +440,6 @@ def test_sigusr1_saves_and_the_run_goes_on(tmp_path, reference, cache):
     assert max(abs(losses(out)[s] - reference[s]) for s in reference) <= 1e-6  # saving changed nothing
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def test_kill_9_of_the_launchers_group_leaves_no_worker(tmp_path, cache):
     out = tmp_path / "run"
     proc, log = _start(out, cache, "checkpoint.every_steps=1", steps=2000)
@@ -458,9 +451,9 @@ def test_kill_9_of_the_launchers_group_leaves_no_worker(tmp_path, cache):
         os.killpg(proc.pid, signal.SIGKILL)  # the workers run in sessions of their own: this does not reach them
         proc.wait()
         deadline = time.time() + 10  # PR_SET_PDEATHSIG kills them at once; allow a slow machine 10 s
-        while (alive := [p for p in pids if _running(p)]) and time.time() < deadline:
+        while (left := [p for p in pids if alive(p)]) and time.time() < deadline:
             time.sleep(0.1)
-        assert not alive, f"workers still running after the launcher was killed: {alive}"
+        assert not left, f"workers still running after the launcher was killed: {left}"
         before = sorted((p.name, p.stat().st_size) for p in out.rglob("*") if p.is_file())
         time.sleep(1)
         assert sorted((p.name, p.stat().st_size) for p in out.rglob("*") if p.is_file()) == before
