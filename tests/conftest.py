@@ -296,16 +296,29 @@ def _launch_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("SHARDTUNE_")}
 
 
+_SESSION_LAUNCH_ENV = _launch_env()  # as this process started (conftest is imported before any test runs)
+
+
+def _put_back(env: dict[str, str]) -> list[str]:
+    now = _launch_env()
+    for key in now.keys() - env.keys():
+        del os.environ[key]
+    os.environ.update(env)
+    return sorted(k for k in now.keys() | env.keys() if now.get(k) != env.get(k))
+
+
 @pytest.fixture(autouse=True)
 def _no_launcher_env_left_behind() -> Iterator[None]:
-    before = _launch_env()
+    # Compared with the session's start before the test too: a module- or session-scoped fixture that ran a
+    # training here (taking the run-dir lock sets SHARDTUNE_RUN_LOCK) is set up before this function fixture, and
+    # would otherwise show up only in whichever later test happened to change that variable (CI, stop 23).
+    changed = _put_back(_SESSION_LAUNCH_ENV)
+    if changed:
+        pytest.fail(f"a fixture of this test (or one of an earlier test) left {', '.join(changed)} changed in the "
+                    "test process's environment: restore it when the fixture's run ends")
     yield
-    after = _launch_env()
-    if after != before:
-        for key in after.keys() - before.keys():
-            del os.environ[key]
-        os.environ.update(before)
-        changed = sorted(k for k in after.keys() | before.keys() if after.get(k) != before.get(k))
+    changed = _put_back(_SESSION_LAUNCH_ENV)
+    if changed:
         pytest.fail(f"the test left {', '.join(changed)} changed in the test process's environment (run commands "
                     "through run_cli / in_this_process, or restore it with monkeypatch)")
 

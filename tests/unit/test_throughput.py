@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT
 
+from shardtune.checkpoint.runlock import release_run_dir
 from shardtune.config import load_config
 from shardtune.train.loop import run_training
 
@@ -41,6 +42,7 @@ def slow_eval_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
             run_training(cfg)
     finally:
         torch.set_num_threads(threads)
+        release_run_dir(tmp / "run")  # run_training took the run-dir lock for this process, as rank 0 does
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return tmp / "run", err.getvalue()
