@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # header, ~10-20 s of C++ on CPU) compiled by one test are reused by the next, across processes and runs.
 INDUCTOR_CACHE = str(ROOT / ".pytest_cache" / "inductor")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", INDUCTOR_CACHE)
+# DeepSpeed's JIT-built ops (cpu_adam; async_io where asked) in the clone too, not in ~/.cache/torch_extensions: a
+# build left there by an earlier checkout counts as built (the NVMe variant then runs) while ninja rebuilds it
+# against the fresh venv's newer source files (CI stop 23: the NVMe tests ran and the DeepSpeed launch took 990 s,
+# 82-95 s in a fresh clone here). A fresh clone now builds what it needs, and skips the NVMe variant as listed.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".pytest_cache" / "torch_extensions"))
 # Workers forked from a forkserver that imported torch, transformers and the loop once (shardtune/workerstart.py):
 # each launch's workers skip ~6-8 CPU-s of imports each, and launches in this process (run_cli) share one
 # forkserver for the session. SHARDTUNE_WORKER_START= (empty) runs the tests with Popen'd workers.
