@@ -30,8 +30,8 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(data_cache):
+    return str(data_cache)
 
 
 def train(out: Path, cache: str, *extra: str, nproc: int = 2, strategy: str = "zero3", accum: int = 2):
@@ -177,7 +177,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
     root = out / "checkpoints"
     cmd = [sys.executable, "-m", "shardtune", "train", TINY, "--nproc", "2", "--output-dir", str(out),
            "train.max_steps=2000", "checkpoint.every_steps=1", "checkpoint.keep_last=3", "log.progress=false",
-           "train.eval_batches=1", f"data.cache_dir={cache}"]
+           "train.eval_batches=1", f"data.cache_dir={cache}", "log.report=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed_mid_save = False
     deadline = time.time() + 240
@@ -373,7 +373,8 @@ def _start(out: Path, cache: str, *extra: str, steps: int = STEPS) -> tuple[subp
     log = out.parent / "stderr.txt"
     cmd = [sys.executable, "-m", "shardtune", "train", TINY, "--nproc", "2", "--output-dir", str(out),
            f"train.max_steps={steps}", "train.micro_batch_size=4", "train.grad_accum=2", "parallel.strategy=zero3",
-           "log.every=1", "log.progress=false", "train.eval_batches=1", f"data.cache_dir={cache}", *extra]
+           "log.every=1", "log.progress=false", "train.eval_batches=1", f"data.cache_dir={cache}", "log.report=false",
+           *extra]
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err,
                                 start_new_session=True)
@@ -484,7 +485,8 @@ def two_nodes(tmp_path_factory, reference):
     common = ["train", TINY, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
               "--rdzv-id", "two-nodes", "--output-dir", str(out), f"train.max_steps={STEPS}",
               "train.micro_batch_size=4", "train.grad_accum=1", "parallel.strategy=hsdp", "log.every=1",
-              "log.progress=false", "train.eval_batches=1", "checkpoint.every_steps=1", f"data.cache_dir={cache}"]
+              "log.progress=false", "train.eval_batches=1", "checkpoint.every_steps=1", f"data.cache_dir={cache}",
+              "log.report=false"]
     logs = [out.parent / f"node{n}.txt" for n in (0, 1)]
     procs = []
     try:

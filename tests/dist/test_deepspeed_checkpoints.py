@@ -213,7 +213,7 @@ def test_a_missing_rank_file_is_refused(ckpts, tmp_path):
         deepspeed_model_tensors(step)
 
 
-def test_cli_train_then_export_a_deepspeed_lora_checkpoint(tmp_path):
+def test_cli_train_then_export_a_deepspeed_lora_checkpoint(tmp_path, data_cache):
     """The real pipeline: `shardtune train` (deepspeed backend, zero2, bf16 LoRA, 2 processes) writes the
     checkpoint, `shardtune export` turns it into the adapter training saved at the end (in fp32 masters)."""
     pytest.importorskip("deepspeed")
@@ -223,7 +223,7 @@ def test_cli_train_then_export_a_deepspeed_lora_checkpoint(tmp_path):
     proc = run_cli("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "2", "--output-dir", str(run),
                    "parallel.backend=deepspeed", "parallel.strategy=zero2", "train.precision=bf16",
                    "peft.method=lora", "train.max_steps=3", "train.lr=1e-2", "train.eval_batches=1",
-                   "log.progress=false", f"data.cache_dir={tmp_path / 'cache'}")
+                   "log.progress=false", f"data.cache_dir={data_cache}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     proc = run_cli("export", str(run), str(tmp_path / "adapter"))
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -28,12 +28,13 @@ def test_demo_trains_on_two_cpu_processes_and_learns(tmp_path):
     steps = [r for r in records if not r.get("eval")]
     evals = [r for r in records if r.get("eval")]
     assert steps and all(r.keys() >= METRIC_KEYS for r in steps)
-    assert steps[-1]["step"] == 300 and steps[-1]["mfu"] is None  # no MFU on a CPU
+    assert steps[-1]["step"] == 200 and steps[-1]["mfu"] is None  # no MFU on a CPU
     assert all(r["tokens_per_sec"] > 0 and r["peak_mem_gib"] > 0 for r in steps)
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 300
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 200
     assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
     assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"] + 0.2
     assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
+    assert (out / "report" / "report.html").is_file()  # on by default (the tests' in-process runs turn it off)
     # Every run is a calibration point: the prediction beside what was measured.
     plan = json.loads((out / "plan.json").read_text())["chosen"]
     assert (plan["strategy"], plan["micro_batch_size"]) == ("zero3", 16)
@@ -48,11 +49,11 @@ def test_demo_trains_on_two_cpu_processes_and_learns(tmp_path):
     assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
 
 
-def test_started_by_torchrun_directly(tmp_path):
+def test_started_by_torchrun_directly(tmp_path, data_cache):
     out = tmp_path / "direct"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "shardtune", "train", TINY, "train.max_steps=4", "log.every=2", f"train.output_dir={out}",
-           "train.eval_batches=1", f"data.cache_dir={tmp_path / 'cache'}"]
+           "train.eval_batches=1", f"data.cache_dir={data_cache}", "log.report=false"]
     proc = run(cmd)
     # torchrun's own report ends stderr: show the workers' lines before it too
     assert proc.returncode == 0, proc.stderr[-8000:]
@@ -84,11 +85,11 @@ def test_bad_row_with_strict_data_exits_2_with_one_line(tmp_path):
     assert not (tmp_path / "run" / "model").exists()
 
 
-def test_tiny_chat_with_packing_learns(tmp_path):
+def test_tiny_chat_with_packing_learns(tmp_path, data_cache):
     out = tmp_path / "chat"
     proc = run_cli("train", str(ROOT / "examples" / "tiny-chat.yaml"), "--output-dir", str(out),
                      "train.max_steps=60", "train.eval_every=0", "train.eval_batches=4",
-                     f"data.cache_dir={tmp_path / 'cache'}")
+                     f"data.cache_dir={data_cache}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "packed into" in proc.stderr
     evals = [r for r in _records(out) if r.get("eval")]

@@ -24,7 +24,7 @@ LORA_BF16 = "zero3:lora:bf16"
 def results(fsdp2_runs, tmp_path_factory):
     refs, two = fsdp2_runs  # the 1- and 2-process launches (tests/conftest.py), shared with test_deepspeed.py
     two = dict(two)
-    # HSDP: 2 groups of 2 processes, each group holding one sharded copy (global batch 16 as above).
+    # HSDP: 2 groups of 2 processes, each group holding one sharded copy (global batch 8 as above).
     two["_four"] = worker_results(tmp_path_factory.mktemp("parity") / "four", 4, 1, ["hsdp:s2", "hsdp:s2:qlora"])
     two["_ref_packed"] = refs["ddp:packed"]
     two["_ref_lora"] = refs["ddp:lora"]
@@ -33,7 +33,7 @@ def results(fsdp2_runs, tmp_path_factory):
     two["_ref_adamw8bit"] = refs["ddp:adamw8bit"]
     two["_ref_full"] = refs["ddp"]
     two["_ref_noclip"] = refs["ddp:noclip"]
-    two["_one_mb16"] = refs["ddp:mb16"]
+    two["_one_mb8"] = refs["ddp:mb8"]
     return refs["ddp"], two
 
 
@@ -188,11 +188,11 @@ def test_without_clipping_a_higher_lr_run_keeps_the_gradients(results):
 
 
 def test_any_split_of_the_global_batch_gives_the_same_gradients(results):
-    # Variable-length rows (target tokens differ per micro-batch): 1 process x micro-batch 16 x accumulation 1,
-    # 2 x 2 x 4 and the reference 1 x 4 x 4 see the same 16 sequences per step. A per-micro-batch mean, or a
-    # normaliser that is not the step's global target-token count, weighs them differently.
+    # Variable-length rows (target tokens differ per micro-batch): 1 process x micro-batch 8 x accumulation 1,
+    # 2 x 1 x 4 (one sequence per micro-batch) and the reference 1 x 2 x 4 see the same 8 sequences per step. A
+    # per-micro-batch mean, or a normaliser that is not the step's global target-token count, weighs them differently.
     ref, two = results
-    one, split = two["_one_mb16"], two["zero3:mb2"]
+    one, split = two["_one_mb8"], two["zero3:mb1"]
     assert one["world"] == 1 and split["world"] == 2
     assert one["mlp_calls"] == LAYERS * STEPS * 1 and split["mlp_calls"] == LAYERS * STEPS * 4  # the split ran
     assert_same_gradients(one, split)

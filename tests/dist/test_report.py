@@ -1,5 +1,6 @@
 """`shardtune report` and the report `train` writes at the end, from real runs: the session's 2-process FSDP2
-launch (tests/conftest.py `fsdp2_runs`), whose plain ddp / zero2 / zero3 variants keep log.report on."""
+launch (tests/conftest.py `fsdp2_runs`), whose plain zero2 / zero3 variants keep log.report on
+(ddp's run is overlaid by `shardtune report`)."""
 
 from __future__ import annotations
 

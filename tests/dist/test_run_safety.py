@@ -32,11 +32,12 @@ STEPS = 20  # the first run is frozen (SIGSTOP) while the second one is tried, s
 
 def _args(out: Path, cache: Path, *extra: str) -> list[str]:
     return ["train", TINY, "--nproc", "1", "--output-dir", str(out), "train.micro_batch_size=4", "log.every=1",
-            "log.progress=false", "train.eval_every=0", "train.eval_batches=1", f"data.cache_dir={cache}", *extra]
+            "log.progress=false", "train.eval_every=0", "train.eval_batches=1", f"data.cache_dir={cache}",
+            "log.report=false", *extra]
 
 
-def test_a_second_run_into_the_same_output_dir_is_refused_while_the_first_runs(tmp_path, cli):
-    out, cache = tmp_path / "run", tmp_path / "cache"
+def test_a_second_run_into_the_same_output_dir_is_refused_while_the_first_runs(tmp_path, cli, cache):
+    out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "shardtune", *_args(out, cache, f"train.max_steps={STEPS}")],
                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     frozen: list[int] = []
@@ -170,9 +171,8 @@ def test_out_of_gpu_memory_is_one_line_with_the_fixes(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """One tokenization cache for the full-disk and SIGKILL runs below (built once: ~10 s on 2 shared cores)."""
-    return tmp_path_factory.mktemp("cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 def _one_error_line(proc) -> str:

@@ -40,7 +40,7 @@ def _workers_seen(stop: threading.Event, seen: dict[int, tuple[str, str]]) -> No
         stop.wait(0.05)
 
 
-def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_path):
+def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_path, data_cache):
     def launch(name: str, mode: str) -> dict[int, tuple[str, str]]:
         stop, seen = threading.Event(), {}
         watcher = threading.Thread(target=_workers_seen, args=(stop, seen), daemon=True)
@@ -48,7 +48,7 @@ def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_
         try:
             proc = run_cli("train", TINY, "--nproc", "2", "--output-dir", str(tmp_path / name), "train.max_steps=3",
                            "log.every=1", "log.progress=false", "train.eval_batches=1",
-                           f"data.cache_dir={tmp_path / 'cache'}", env={WORKER_START_ENV: mode})
+                           f"data.cache_dir={data_cache}", env={WORKER_START_ENV: mode})
         finally:
             stop.set()
             watcher.join()

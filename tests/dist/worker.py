@@ -6,7 +6,7 @@ A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpo
 compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
 adamw8bit, ds (parallel.backend=deepspeed), offload / offparams / nvme (DeepSpeed offload of the optimizer /
 of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp), noclip (optim.max_grad_norm=0, lr 1e-2),
-mb16 / mb2 (micro-batch 16 x accumulation 1 / micro-batch 2 x accumulation 4). For each
+mb8 / mb1 (micro-batch 8 x accumulation 1 / micro-batch 1 x accumulation 4). For each
 variant rank 0 records the loss and grad-norm (before clipping) trajectories, facts that prove a feature
 was on (`Probe`: block recomputes, activation dtypes, document masks; compiled graphs, NF4 parameters,
 optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor sharded on dim 0, and the
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = {
     "model": {"preset": "tiny-llama"},
     "data": {"train_file": str(ROOT / "examples" / "data" / "tasks.jsonl"), "eval_fraction": 0.02},
-    "train": {"precision": "fp32", "lr": 1e-3, "max_steps": 6, "micro_batch_size": 4, "seq_len": 24,
+    "train": {"precision": "fp32", "lr": 1e-3, "max_steps": 6, "micro_batch_size": 2, "seq_len": 24,
               "eval_batches": 2},
     "optim": {"warmup_steps": 2, "weight_decay": 0.01},
     "log": {"every": 1, "progress": False, "report": False},
@@ -58,9 +58,9 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "s2": "parallel.shard_size=2",
            # Clipping off and a 10x learning rate: the clipped runs hide a gradient-scale error from the loss.
            "noclip": "optim.max_grad_norm=0 train.lr=1e-2",
-           # Other splits of the same global batch of 16 (the launch's grad_accum is overridden).
-           "mb16": "train.micro_batch_size=16 train.grad_accum=1",
-           "mb2": "train.micro_batch_size=2 train.grad_accum=4",
+           # Other splits of the same global batch of 8 (the launch's grad_accum is overridden).
+           "mb8": "train.micro_batch_size=8 train.grad_accum=1",
+           "mb1": "train.micro_batch_size=1 train.grad_accum=4",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}"}
 
@@ -316,9 +316,10 @@ def main() -> None:
         strategy, *opts = variant.split(":")
         extra = " ".join(OPTIONS[o] for o in opts).format(model_dir=os.environ.get("SHARDTUNE_TEST_MODEL_DIR"),
                                                           nvme_dir=nvme_dir)
-        # The plain strategies write OUTPUT_DIR/report as `train` does by default (tests/dist/test_report.py reads
-        # them); the other variants skip its ~1 s of plotting.
-        overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}", f"log.report={not opts}",
+        # zero2 and zero3 write OUTPUT_DIR/report as `train` does by default (tests/dist/test_report.py reads
+        # them); the other variants skip its ~2 s of plotting.
+        report = variant in ("zero2", "zero3")
+        overrides = [f"parallel.strategy={strategy}", f"train.grad_accum={accum}", f"log.report={report}",
                      # zero3 also traces steps 2-3 with torch.profiler and logs to TensorBoard, Weights & Biases
                      # (offline) and MLflow (a file store) (tests/dist/test_monitors.py)
                      *(["log.profile={start: 2, steps: 2}", "log.tensorboard=true",
