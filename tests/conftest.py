@@ -456,7 +456,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     with open(_CPU_LOG, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2),
-                            "wall_s": round(time.perf_counter() - wall, 2)}) + "\n")
+                            "wall_s": round(time.perf_counter() - wall, 2), "ended": round(time.time(), 1),
+                            "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
 # --- Parallel runs (pytest-xdist, `-n`) ----------------------------------------------------------------------------

@@ -374,6 +374,30 @@ def test_missing_deepspeed_is_refused_with_the_install_command(monkeypatch):
     assert "\n" not in message
 
 
+def test_a_planner_candidate_is_checked_without_importing_deepspeed(monkeypatch):
+    """`plan` prices DeepSpeed candidates for every config: asking only whether the package is installed keeps
+    `import deepspeed` (~5 s) out of it; a `deepspeed:` section still goes through DeepSpeed's own parser."""
+    import importlib.util
+
+    from shardtune.parallel import check_combination as parallel_check
+
+    cfg = _cfg("parallel.backend=deepspeed", "parallel.strategy=zero3")
+    imported = []
+    monkeypatch.setattr("shardtune.parallel.deepspeed.deepspeed_import_error", lambda: imported.append(1))
+    parallel_check(cfg, 2, candidate=True)
+    assert imported == []
+    parallel_check(cfg, 2)  # the run that takes it: the import is checked
+    assert imported == [1]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ShardtuneError, match=r"deepspeed needs the deepspeed package \(not installed\); pip install"):
+        parallel_check(cfg, 2, candidate=True)
+    with_section = _cfg("parallel.backend=deepspeed", "parallel.strategy=zero3",
+                        deepspeed={"zero_optimization": {"reduce_bucket_sise": 5}})
+    with pytest.raises(ShardtuneError, match="reduce_bucket_sise"):  # DeepSpeed's parser refuses the misspelt key
+        parallel_check(with_section, 2, candidate=True)
+
+
 def test_deepspeed_accepts_probe_uses_world_of_one():
     check_deepspeed_accepts(_ds(world=8, extra={}))  # train_batch_size 8 would fail DeepSpeed's world-1 check as is
 

@@ -29,18 +29,20 @@ def make_backend(cfg: Config, ctx: DistContext, loss: LossFn) -> Backend:
     return BACKENDS[cfg.parallel.backend].make(cfg, ctx, loss)
 
 
-def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None) -> None:
+def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None,
+                      candidate: bool = False) -> None:
     """Settings that cannot work together, refused before any process starts: the backend's refusals (check)
     and what the PEFT / optimizer settings need (peft.check). With `world` (processes per node), also the
     DeepSpeed config the deepspeed backend would build (conflicts with the `deepspeed:` section); with
-    `device` ("cuda" or "cpu"), what the machine cannot run."""
+    `device` ("cuda" or "cpu"), what the machine cannot run. `candidate`: a planner's candidate, checked only
+    as far as it can be without importing an installed backend package (the run that takes it is checked in full)."""
     from shardtune import peft
 
-    check(cfg, world, device)
+    check(cfg, world, device, candidate=candidate)
     peft.check(cfg.peft, cfg.optim, cfg.train.precision)
 
 
-def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
     """Refuse, in one line with its fix, what the chosen backend cannot run: first the settings it does not
     support, then the strategy and offload settings that contradict each other on any backend, then the
     backend's own checks. `world`: processes per node (None: not known, as for a planner's candidate);
@@ -48,7 +50,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None) -> N
     spec = BACKENDS[cfg.parallel.backend]
     spec.refuse_unsupported(cfg)
     check_strategy(cfg.parallel)
-    spec.check(cfg, world, device)
+    spec.check(cfg, world, device, candidate=candidate)
 
 
 def describe(cfg: Config, world: int) -> str:

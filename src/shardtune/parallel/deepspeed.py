@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -268,10 +269,12 @@ REFUSALS = {
 }
 
 
-def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
     """DeepSpeed's refusals beyond SUPPORTS. `device` ("cuda"/"cpu"): the machine the run starts on, when known.
     With `world` (processes per node), also the DeepSpeed config the backend would build, through DeepSpeed's
-    own parser (conflicts with the `deepspeed:` section, misspelt keys)."""
+    own parser (conflicts with the `deepspeed:` section, misspelt keys). A planner's `candidate` without a
+    `deepspeed:` section is only checked for the package being installed: `import deepspeed` is ~5 s of `plan`'s
+    ~16 on a slow CPU, and the config shardtune builds on its own is one DeepSpeed accepts."""
     p = cfg.parallel
     if device == "cpu" and cfg.train.precision == "fp16":
         raise ShardtuneError("train.precision: DeepSpeed has no fp16 on CPU; use train.precision=bf16 or fp32 here "
@@ -289,6 +292,11 @@ def check(cfg: Config, world: int | None = None, device: str | None = None) -> N
                              "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "
                              "parallel.backend=fsdp2")
     ds = None if world is None else deepspeed_config(p, cfg.train, cfg.optim, cfg.deepspeed, world)  # ConfigError
+    if candidate and not cfg.deepspeed:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ShardtuneError("parallel.backend: deepspeed needs the deepspeed package (not installed); pip "
+                                 "install -e '.[deepspeed]' in the shardtune checkout, or use parallel.backend=fsdp2")
+        return
     failed = deepspeed_import_error()
     if failed is not None:
         raise ShardtuneError(f"parallel.backend: deepspeed needs the deepspeed package (import deepspeed failed: "

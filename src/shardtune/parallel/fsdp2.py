@@ -275,7 +275,7 @@ REFUSALS = {
 }
 
 
-def check(cfg: Config, world: int | None = None, device: str | None = None) -> None:
+def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
     """FSDP2's refusals beyond SUPPORTS (`world`: processes per node, when known)."""
     p = cfg.parallel
     if cfg.optim.fused is True and uses_sharded_scaler(p, cfg.train.precision):

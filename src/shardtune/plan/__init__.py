@@ -150,7 +150,7 @@ def supported_by(cfg: Any) -> Any:
     def check(s: Setting) -> str | None:
         variant = config_for(cfg, s)
         try:
-            check_combination(variant, s.per_node)
+            check_combination(variant, s.per_node, candidate=True)
         except ShardtuneError as err:
             return str(err)
         return None
