@@ -294,16 +294,18 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     ds = None if world is None else deepspeed_config(p, cfg.train, cfg.optim, cfg.deepspeed, world)  # ConfigError
     if candidate and not cfg.deepspeed:
         if importlib.util.find_spec("deepspeed") is None:
-            raise ShardtuneError("parallel.backend: deepspeed needs the deepspeed package (not installed); pip "
-                                 "install -e '.[deepspeed]' in the shardtune checkout, or use parallel.backend=fsdp2")
+            raise ShardtuneError(_needs_deepspeed("not installed"))
         return
     failed = deepspeed_import_error()
     if failed is not None:
-        raise ShardtuneError(f"parallel.backend: deepspeed needs the deepspeed package (import deepspeed failed: "
-                             f"{failed}); pip install -e '.[deepspeed]' in the shardtune checkout, or use "
-                             "parallel.backend=fsdp2")
+        raise ShardtuneError(_needs_deepspeed(f"import deepspeed failed: {failed}"))
     if ds is not None:
         check_deepspeed_accepts(ds)
+
+
+def _needs_deepspeed(why: str) -> str:
+    return (f"parallel.backend: deepspeed needs the deepspeed package ({why}); pip install -e '.[deepspeed]' in the "
+            "shardtune checkout, or use parallel.backend=fsdp2")
 
 
 def describe(cfg: Config, world: int) -> str:
