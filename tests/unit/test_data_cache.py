@@ -303,8 +303,10 @@ def _child(*args):
 
 
 def _wait_for_lock(lock: Path, proc) -> None:
+    """Until the builder holds the lock and has written who it is (O_EXCL creates the file empty first; readers
+    in cache.py take an empty one as "being written"; a fresh-clone run here once read it in between)."""
     deadline = time.monotonic() + 60
-    while not lock.exists():
+    while not (lock.exists() and lock.read_text().strip().endswith("}")):
         assert proc.is_alive() and time.monotonic() < deadline, "the builder never took the lock"
         time.sleep(0.01)
 
