@@ -208,13 +208,17 @@ def gathered_parameters(m: ModelShape, s: Setting) -> float:
     compute-dtype copy of every weight from forward to backward. DeepSpeed stage 3 keeps up to
     stage3_prefetch_bucket_size parameters gathered ahead (5e7 here) plus the block in use.
     With fp32 compute and no sharding nothing is copied. With LoRA the frozen base in the compute dtype
-    is gathered the same way; NF4 weights are dequantised one linear layer at a time."""
+    is gathered the same way; NF4 weights are dequantised one linear layer at a time.
+    A mesh of one with the frozen base in the compute dtype keeps no gathered block at the peak, but the root's
+    gathered copy (embedding, head) is alive while a fused loss runs: the fused loss runs inside the root's
+    forward (models/liger.install_fused_loss), the plain loss after it, once the root has resharded."""
     p = s.compute_bytes
     if s.backend == "fsdp2" and s.param_shards() == 1 and s.strategy != "ddp" and s.peft != "none" and \
             s.frozen_bytes == p:
-        # A mesh of one with the frozen base already in the compute dtype: nothing to gather or cast, the
-        # blocks compute with the stored weights (measured: 8B LoRA and 8B / 70B QLoRA on one H200).
-        return 0.0
+        # Measured on one H200 (8B LoRA and 8B / 70B QLoRA): without Liger nothing gathered at the peak; with
+        # its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B shape) are
+        # (log.memory_snapshot of 8B LoRA / QLoRA + Liger, bench/RESULTS.md 2026-12-02, third session).
+        return float(m.root_params * p) if s.fused_loss_runs else 0.0
     if s.peft == "qlora":
         # Each NF4 linear is dequantised into one compute-dtype weight at a time; the largest is the MLP's.
         largest = m.hidden * m.ffn
