@@ -4,9 +4,10 @@
     python bench/peft_bench.py --size 8b --runs lora:1,lora:1:lg --baselines lora:1,lora:1:lg --steps 40
     python bench/peft_bench.py --size tiny --runs lora:2,qlora:2 --baselines lora:1     # CPU plumbing
 
-A run is METHOD:NPROC[:c][:lg][:sel] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
-model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline; sel: shardtune's selective
-activation checkpointing instead of full).
+A run is METHOD:NPROC[:c][:lg|:lgl][:sel] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
+model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline; lgl: model.liger=loss, Liger's
+fused linear + cross-entropy only, shardtune runs only; sel: shardtune's selective activation checkpointing
+instead of full).
 Every step is timed (shardtune log.every=1); rows are the median over the steps after --warmup with min-max.
 shardtune: the preset of --size, long random text (full rows), seq 2048,
 micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
@@ -33,10 +34,11 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
 
 
 def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int,
-                  compile_blocks: bool = False, liger: bool = False, warmup: int = 10, ac: str = "full",
+                  compile_blocks: bool = False, liger: bool | str = False, warmup: int = 10, ac: str = "full",
                   extra: tuple[str, ...] = ()) -> dict:
     preset, seq, prec = PRESETS[size]
-    tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + ("_lg" if liger else "") + \
+    tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + \
+        {False: "", True: "_lg", "loss": "_lgl"}[liger] + \
         ("_sel" if ac == "selective" else "")
     run_dir = out / f"st_{tag}"
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
@@ -64,8 +66,8 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
     return result
 
 
-def _label(method: str, compile_blocks: bool, liger: bool) -> str:
-    return method + ("+compile" if compile_blocks else "") + ("+liger" if liger else "")
+def _label(method: str, compile_blocks: bool, liger: bool | str) -> str:
+    return method + ("+compile" if compile_blocks else "") + {False: "", True: "+liger", "loss": "+ligerloss"}[liger]
 
 
 def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs: int, liger: bool = False,
@@ -100,13 +102,15 @@ def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess
         return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + "\nTIMEOUT")
 
 
-def _pairs(spec: str) -> list[tuple[str, int, bool, bool, str]]:
+def _pairs(spec: str) -> list[tuple[str, int, bool, bool | str, str]]:
     """'lora:1,qlora:2:c:lg:sel' -> [('lora', 1, False, False, 'full'), ('qlora', 2, True, True, 'selective')]
-    (c: compile each block; lg: Liger-Kernel; sel: selective activation checkpointing, shardtune only)."""
+    (c: compile each block; lg: Liger-Kernel; lgl: its fused loss only; sel: selective activation checkpointing,
+    shardtune only)."""
     out = []
     for item in filter(None, spec.split(",")):
         method, n, *flags = item.split(":")
-        out.append((method, int(n), "c" in flags, "lg" in flags, "selective" if "sel" in flags else "full"))
+        liger = "loss" if "lgl" in flags else "lg" in flags
+        out.append((method, int(n), "c" in flags, liger, "selective" if "sel" in flags else "full"))
     return out
 
 
