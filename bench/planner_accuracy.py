@@ -100,6 +100,18 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("1b-ddp-mb4-compile-ligerloss", "1b-compile", [*ONE_B, "parallel.strategy=ddp", "train.micro_batch_size=4",
                                                         "parallel.compile=true", "model.liger=loss"]),
     ],
+    # Measured by bench/table2.sh on 2026-12-02 (third session): LoRA / QLoRA with compiled blocks and Liger's
+    # fused loss only (what model.liger: auto takes under parallel.compile).
+    "f": [
+        ("8b-qlora-mb2-ac-compile-ligerloss", "8b-qlora", [*EIGHT_B, "peft.method=qlora", "parallel.strategy=zero3",
+                                                           "train.micro_batch_size=2", "parallel.compile=true",
+                                                           "parallel.activation_checkpointing=full",
+                                                           "model.liger=loss"]),
+        ("8b-lora-mb2-ac-compile-ligerloss", "8b-lora", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
+                                                         "train.micro_batch_size=2", "parallel.compile=true",
+                                                         "parallel.activation_checkpointing=full",
+                                                         "model.liger=loss"]),
+    ],
     "tiny": [
         ("tiny-zero2", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero2", "train.micro_batch_size=2",
                                 "train.seq_len=256"]),

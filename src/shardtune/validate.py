@@ -94,10 +94,23 @@ def check_trackers(cfg: Config) -> None:
 
 
 def check_memory_snapshot(cfg: Config, device: str) -> None:
-    """log.memory_snapshot records PyTorch's CUDA allocator: refused on other devices."""
-    if cfg.log.memory_snapshot is not None and device != "cuda":
+    """log.memory_snapshot records PyTorch's CUDA allocator: refused on other devices, and with compiled blocks
+    under activation checkpointing from PyTorch 2.11 on, where recording the allocator's history makes the
+    recompute of a compiled block fail ("SystemError: <built-in method apply of FunctionMeta object> returned
+    NULL": pytorch/pytorch#179536, a regression of 2.11; seen on one H200 with 8B LoRA and QLoRA)."""
+    if cfg.log.memory_snapshot is None:
+        return
+    if device != "cuda":
         raise ShardtuneError(f"log.memory_snapshot: records PyTorch's CUDA allocator, and this run is on {device}; "
                              "remove log.memory_snapshot (or run on GPUs)")
+    import torch
+
+    if cfg.parallel.compile and cfg.parallel.activation_checkpointing != "none" and \
+            tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 11):
+        raise ShardtuneError(f"log.memory_snapshot: PyTorch {torch.__version__.split('+')[0]} fails in the "
+                             "recompute of compiled blocks while it records (pytorch/pytorch#179536); record with "
+                             "parallel.compile=false or parallel.activation_checkpointing=none, or remove "
+                             "log.memory_snapshot")
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -32,6 +32,24 @@ def test_validate_refuses_it_on_a_cpu_in_one_line(cli) -> None:
                    "CUDA allocator", "cpu")
 
 
+def test_compiled_blocks_under_checkpointing_are_refused_on_a_gpu_from_torch_2_11() -> None:
+    """PyTorch 2.11's allocator history breaks the recompute of compiled blocks (pytorch/pytorch#179536; both
+    8B runs that recorded with compile and full checkpointing crashed on one H200): refused before launch."""
+    import torch
+
+    from shardtune.errors import ShardtuneError
+    from shardtune.validate import check_memory_snapshot
+
+    assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 11)  # what CI and the GPU machine run
+    recorded = ["log.memory_snapshot=[3,3]", "parallel.compile=true"]
+    for ac in ("full", "selective"):
+        with pytest.raises(ShardtuneError, match=r"^log\.memory_snapshot: PyTorch .*\(pytorch/pytorch#179536"):
+            check_memory_snapshot(load_config(TINY, [*recorded, f"parallel.activation_checkpointing={ac}"]), "cuda")
+    check_memory_snapshot(load_config(TINY, recorded), "cuda")  # compiled, no checkpointing: records
+    check_memory_snapshot(load_config(TINY, ["log.memory_snapshot=[3,3]", "parallel.activation_checkpointing=full"]),
+                          "cuda")
+
+
 def _alloc(addr: int, mib: int, where: str) -> dict:
     return {"action": "alloc", "addr": addr, "size": mib * MIB,
             # as CUDA records them: the allocator's C++ frames first, then torch's Python, then the caller's
