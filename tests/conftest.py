@@ -172,6 +172,8 @@ def assert_same_gradients(ref: dict, run: dict, rtol: float = 1e-5) -> None:
 
 # --- Multi-process runs that several test modules compare against: one launch each per session ------------------
 WORKER = str(ROOT / "tests" / "dist" / "worker.py")
+# tests/dist/worker.py trains micro-llama: its decoder blocks, and the 7 projections of each that LoRA adapts.
+LAYERS, PROJECTIONS = 2, 7
 # tests/dist/worker.py's variants (strategy[:option...]) in the FSDP2 reference launches: one process with
 # grad_accum 4 and two processes with grad_accum 2 see the same global batches.
 # Micro-batch 2 (the worker's BASE): a global batch of 8; ddp:mb8 (1 x 8 x 1) and zero3:mb1 (2 x 1 x 4) split
@@ -191,11 +193,12 @@ def worker_results(out: Path, nproc: int, grad_accum: int, variants: list[str],
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A sharded HF directory (several safetensors files + index) holding the tiny-llama preset's own weights."""
+def micro_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sharded HF directory (several safetensors files + index) holding the micro-llama preset's own weights (the
+    preset tests/dist/worker.py trains)."""
     from shardtune.models.init_model import init_model
 
-    model_dir = init_model(tmp_path_factory.mktemp("model") / "tiny", "tiny-llama", max_shard_bytes=2_000_000)
+    model_dir = init_model(tmp_path_factory.mktemp("model") / "micro", "micro-llama", max_shard_bytes=150_000)
     assert (model_dir / "model.safetensors.index.json").is_file()
     return model_dir
 
@@ -209,11 +212,11 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[dict, dict]:
+def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory, micro_model_dir: Path) -> tuple[dict, dict]:
     """(one process, two processes): the FSDP2 variants' results, shared by the parity and DeepSpeed tests."""
     tmp = tmp_path_factory.mktemp("fsdp2")
     # MLflow 3 refuses a file store unless told (the zero3 variant logs to one); wandb: no banner lines.
-    env = {"SHARDTUNE_TEST_MODEL_DIR": str(tiny_model_dir), "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
+    env = {"SHARDTUNE_TEST_MODEL_DIR": str(micro_model_dir), "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
     one = worker_results(tmp / "one", 1, 4, ONE_PROCESS_VARIANTS, env)
     two = worker_results(tmp / "two", 2, 2, TWO_PROCESS_VARIANTS, env)
     return one, two

@@ -9,7 +9,7 @@ compare against the same runs.
 from __future__ import annotations
 
 import pytest
-from conftest import assert_same_gradients, max_diff, worker_results
+from conftest import LAYERS, PROJECTIONS, assert_same_gradients, max_diff, worker_results
 
 pytestmark = pytest.mark.dist
 
@@ -63,8 +63,8 @@ def test_qlora_under_hsdp_matches_single_process_qlora(results):
     two = results[1]
     run = two["_four"]["hsdp:s2:qlora"]
     assert_same_gradients(two["_ref_qlora"], run)
-    assert run["nf4_params"] == 7 * 4  # the frozen projections are NF4 on every rank (their shards)
-    assert run["adapter_tensors"] == 2 * 7 * 4 and run["adapter_nonzero_b"] == 7 * 4
+    assert run["nf4_params"] == PROJECTIONS * LAYERS  # the frozen projections are NF4 on every rank (their shards)
+    assert run["adapter_tensors"] == 2 * PROJECTIONS * LAYERS and run["adapter_nonzero_b"] == PROJECTIONS * LAYERS
 
 
 @pytest.mark.parametrize("variant", LOW)
@@ -98,13 +98,13 @@ def test_sharded_safetensors_dir_loads_the_same_weights_as_the_preset(results):
     assert two["zero3:dir"]["losses"] == two["zero3"]["losses"]
 
 
-def test_each_rank_reads_only_its_rows_of_each_tensor(results, tiny_model_dir):
+def test_each_rank_reads_only_its_rows_of_each_tensor(results, micro_model_dir):
     # README (Models): "each rank reads only its own rows of each tensor straight from the safetensors files".
     # The worker counts the bytes of the rows the weight source returned to each rank (tests/dist/worker.py LoadProbe).
     from safetensors import safe_open
 
     whole = 0
-    for file in tiny_model_dir.glob("*.safetensors"):
+    for file in micro_model_dir.glob("*.safetensors"):
         with safe_open(file, framework="pt") as f:
             whole += sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118 - not a dict
     loads = results[1]["zero3:dir"]["load"]
@@ -151,8 +151,8 @@ def test_qlora_zero3_matches_single_process_qlora(results):
     two = results[1]
     assert_same_gradients(two["_ref_qlora"], two["zero3:qlora"])
     assert max_diff(two["_ref_lora"]["losses"], two["zero3:qlora"]["losses"]) < 3e-2
-    assert two["zero3:qlora"]["adapter_tensors"] == 2 * 7 * 4  # A and B for 7 projections x 4 layers
-    assert two["zero3:qlora"]["adapter_nonzero_b"] == 7 * 4  # every B trained away from its zero init
+    assert two["zero3:qlora"]["adapter_tensors"] == 2 * PROJECTIONS * LAYERS  # A and B of every adapted projection
+    assert two["zero3:qlora"]["adapter_nonzero_b"] == PROJECTIONS * LAYERS  # every B trained away from its zero init
 
 
 def test_qlora_on_one_process_through_fsdp2_matches_ddp(results):
@@ -162,7 +162,7 @@ def test_qlora_on_one_process_through_fsdp2_matches_ddp(results):
     one = two["_one_zero3_qlora"]
     assert one["world"] == 1
     assert_same_gradients(two["_ref_qlora"], one)
-    assert one["adapter_tensors"] == 2 * 7 * 4 and one["adapter_nonzero_b"] == 7 * 4
+    assert one["adapter_tensors"] == 2 * PROJECTIONS * LAYERS and one["adapter_nonzero_b"] == PROJECTIONS * LAYERS
 
 
 def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):
@@ -172,7 +172,7 @@ def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):
 
 
 # --- Gradients: a scale error the clipped runs cannot see -------------------------------------------------------
-LAYERS, STEPS, ACCUM = 4, 6, 2  # tiny-llama's blocks; tests/dist/worker.py's steps; the 2-process accumulation
+STEPS, ACCUM = 6, 2  # tests/dist/worker.py's steps; the 2-process accumulation
 
 
 def test_without_clipping_a_higher_lr_run_keeps_the_gradients(results):
@@ -228,7 +228,7 @@ def test_packed_runs_carry_document_masks(results):
 
 @pytest.mark.parametrize("variant", ["zero3:qlora", "_one_zero3_qlora", "_ref_qlora"])
 def test_qlora_runs_hold_nf4_weights(results, variant):
-    assert results[1][variant]["nf4_params"] == 7 * 4  # 7 projections x 4 layers
+    assert results[1][variant]["nf4_params"] == PROJECTIONS * LAYERS
     assert results[1]["zero3:lora"]["nf4_params"] == 0
 
 

@@ -38,7 +38,8 @@ from shardtune.train.loop import run_training
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {
-    "model": {"preset": "tiny-llama"},
+    # The 0.13M-parameter preset: parity, sharding and feature checks do not depend on the model's size.
+    "model": {"preset": "micro-llama"},
     "data": {"train_file": str(ROOT / "examples" / "data" / "tasks.jsonl"), "eval_fraction": 0.02},
     "train": {"precision": "fp32", "lr": 1e-3, "max_steps": 6, "micro_batch_size": 2, "seq_len": 24,
               "eval_batches": 2},
