@@ -27,6 +27,8 @@ from shardtune.train.loop import TEST_SIGKILL_ENV
 pytestmark = pytest.mark.dist
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
+# The 0.13M-parameter preset where neither the model's speed nor its checkpoint's size is what a test relies on.
+MICRO = "model.preset=micro-llama"
 STEPS = 20  # the first run is frozen (SIGSTOP) while the second one is tried, so it need not be long
 
 
@@ -117,7 +119,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path):
     out = tmp_path / "run"
-    proc = _launch(*_args(out, tmp_path / "cache", "train.max_steps=5", "checkpoint.every_steps=1",
+    proc = _launch(*_args(out, tmp_path / "cache", MICRO, "train.max_steps=5", "checkpoint.every_steps=1",
                           "checkpoint.keep_last=5"), nan_steps="3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 3: non-finite loss or gradient norm; update skipped" in proc.stderr
@@ -133,7 +135,7 @@ def test_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path):
 
 def test_max_bad_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_weights(tmp_path):
     out = tmp_path / "run"
-    proc = _launch(*_args(out, tmp_path / "cache", "train.max_steps=8", "train.max_bad_steps=3",
+    proc = _launch(*_args(out, tmp_path / "cache", MICRO, "train.max_steps=8", "train.max_bad_steps=3",
                           "checkpoint.every_steps=1", "checkpoint.keep_last=8", "--nproc", "2"),
                    nan_steps="2,3,4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -148,7 +150,7 @@ def test_max_bad_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_weights(
 
 def test_non_finite_weights_are_never_saved(tmp_path):
     out = tmp_path / "run"
-    proc = _launch(*_args(out, tmp_path / "cache", "train.max_steps=3", "train.skip_nonfinite=false",
+    proc = _launch(*_args(out, tmp_path / "cache", MICRO, "train.max_steps=3", "train.skip_nonfinite=false",
                           "checkpoint.at_end=false"), nan_steps="2")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: step 3: the weights hold NaN or Inf values; no model was written" in proc.stderr
@@ -159,7 +161,7 @@ def test_out_of_gpu_memory_is_one_line_with_the_fixes(tmp_path):
     """A CUDA out-of-memory error (raised here by the loop's test hook: a CPU cannot run out of GPU memory) ends
     the run with exit code 2 and one line: where, and the smallest changes that lower the peak."""
     out = tmp_path / "run"
-    proc = run_cli(*_args(out, tmp_path / "cache", "train.max_steps=3", "checkpoint.at_end=false"),
+    proc = run_cli(*_args(out, tmp_path / "cache", MICRO, "train.max_steps=3", "checkpoint.at_end=false"),
                    env={OOM_ENV: "2"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     error = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
@@ -219,8 +221,8 @@ def test_a_worker_killed_by_sigkill_is_one_line_about_host_memory_exit_137(tmp_p
     rank 0, waiting for it in a collective, is ended by the launcher, which exits 137 (128 + SIGKILL, as a shell
     reports it) with one line: the rank, the out-of-memory killer, host memory, and this config's ways to lower it.
     No traceback, and no line from rank 0 about the lost peer."""
-    proc = run_cli(*_args(tmp_path / "run", cache, "--nproc", "2", "train.max_steps=3", "checkpoint.async=true"),
-                   env={TEST_SIGKILL_ENV: "1:2"})
+    proc = run_cli(*_args(tmp_path / "run", cache, MICRO, "--nproc", "2", "train.max_steps=3",
+                          "checkpoint.async=true"), env={TEST_SIGKILL_ENV: "1:2"})
     assert proc.returncode == 137 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -234,8 +236,8 @@ def test_deepspeed_skips_and_counts_a_nan_step_as_fsdp2_does(tmp_path, cache):
     ZeRO stages skip by themselves, and the same step_skipped reports it): the NaN step 2 is skipped and counted, its
     loss kept out of the average, the LR schedule advances as under FSDP2, and the run goes on to a finite end."""
     out = tmp_path / "run"
-    proc = _launch(*_args(out, cache, "train.max_steps=3", "parallel.backend=deepspeed", "parallel.strategy=ddp",
-                          "checkpoint.at_end=false"), nan_steps="2")
+    proc = _launch(*_args(out, cache, MICRO, "train.max_steps=3", "parallel.backend=deepspeed",
+                          "parallel.strategy=ddp", "checkpoint.at_end=false"), nan_steps="2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2: non-finite loss or gradient norm; update skipped" in proc.stderr
     records = _records(out)
