@@ -1,11 +1,11 @@
 """Run under torchrun (1 or 2 gloo processes) by tests/dist/test_deepspeed_checkpoints.py: real DeepSpeed
-checkpoints of a tiny Llama, laid out as shardtune step directories.
+checkpoints of a small Llama (micro-llama), laid out as shardtune step directories.
 
     torchrun --nproc-per-node 2 tests/dist/deepspeed_ckpt_worker.py OUT_DIR VARIANT [VARIANT ...]
 
 A variant is STRATEGY-PRECISION-KIND[-OFFLOAD], e.g. zero3-fp32-full, zero2-bf16-lora, ddp-fp32-full
 (ddp = ZeRO stage 0), zero3-fp32-full-params (parallel.offload=params), zero3-fp32-full-odd (a
-tiny-llama with odd tensor sizes and an untied LM head; full fine-tuning only: the trainer state
+micro-llama with odd tensor sizes and an untied LM head; full fine-tuning only: the trainer state
 still names the preset). The DeepSpeed config is the one
 shardtune generates (parallel/ds_config.py). Each trains 2 optimizer steps through shardtune's DeepSpeedBackend and then
 writes OUT_DIR/VARIANT/checkpoints/step-00000002/ as the training loop does: trainer_state.json,
@@ -58,10 +58,10 @@ def fixed_batch() -> torch.Tensor:
 def make_variant(out: Path, variant: str, ctx) -> None:
     strategy, precision, kind, *rest = variant.split("-")
     offload = next((x for x in rest if x != "odd"), "none")
-    hf = preset_config("tiny-llama")
+    hf = preset_config("micro-llama")
     if "odd" in rest:  # odd-sized tensors: ZeRO pads partitions; an untied LM head
         hf.update(ODD)
-    mcfg = ModelConfig(preset="tiny-llama", seed=0)
+    mcfg = ModelConfig(preset="micro-llama", seed=0)
     model = build_on_meta(hf)
     base = model
     source = make_source(mcfg, hf, ctx.device)

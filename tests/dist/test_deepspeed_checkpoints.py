@@ -2,7 +2,7 @@
 (checkpoint/deepspeed_files.py). The pickle check on planted files is in tests/unit/test_deepspeed_files.py.
 
 Real checkpoints come from one launch of 2 gloo processes (tests/dist/deepspeed_ckpt_worker.py), which
-trains a tiny Llama 2 steps through shardtune's DeepSpeedBackend per variant, writes a shardtune step
+trains a small Llama (micro-llama) 2 steps through shardtune's DeepSpeedBackend per variant, writes a shardtune step
 directory, and records what the backend held at save time (the logits of a fixed batch, every
 trainable parameter). The export must give those logits back after a round trip through transformers
 / PEFT, and the fp32 master weights, not the bf16 module copies.
@@ -62,9 +62,9 @@ def _base_model():
     from shardtune.models.presets import preset_config
     from shardtune.models.weights import load_weights, make_source
 
-    hf = preset_config("tiny-llama")
+    hf = preset_config("micro-llama")
     model = build_on_meta(hf)
-    load_weights(model, make_source(ModelConfig(preset="tiny-llama", seed=0), hf, torch.device("cpu")),
+    load_weights(model, make_source(ModelConfig(preset="micro-llama", seed=0), hf, torch.device("cpu")),
                  torch.device("cpu"))
     return model.eval()
 
@@ -117,7 +117,7 @@ def test_full_export_reloads_with_the_logits_at_save_time(ckpts, tmp_path, varia
     ref = _reference(ckpts, variant)
     out = tmp_path / "model"
     if variant == "zero3-fp32-full":  # the command line (in this process), several safetensors files
-        proc = run_cli("export", str(ckpts / variant / STEP), str(out), "--max-shard-size", "2MB")
+        proc = run_cli("export", str(ckpts / variant / STEP), str(out), "--max-shard-size", "200KB")
         assert proc.returncode == 0, proc.stderr[-3000:]
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
@@ -221,9 +221,9 @@ def test_cli_train_then_export_a_deepspeed_lora_checkpoint(tmp_path, data_cache)
 
     run = tmp_path / "run"
     proc = run_cli("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "2", "--output-dir", str(run),
-                   "parallel.backend=deepspeed", "parallel.strategy=zero2", "train.precision=bf16",
-                   "peft.method=lora", "train.max_steps=3", "train.lr=1e-2", "train.eval_batches=1",
-                   "log.progress=false", f"data.cache_dir={data_cache}")
+                   "model.preset=micro-llama", "parallel.backend=deepspeed", "parallel.strategy=zero2",
+                   "train.precision=bf16", "peft.method=lora", "train.max_steps=3", "train.lr=1e-2",
+                   "train.eval_batches=1", "log.progress=false", f"data.cache_dir={data_cache}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     proc = run_cli("export", str(run), str(tmp_path / "adapter"))
     assert proc.returncode == 0, proc.stderr[-4000:]
