@@ -257,7 +257,7 @@ def run_adamw8bit(ctx, mesh, out: Path) -> dict:
     quantized = sum(type(s["exp_avg"]._local_tensor).__name__ == "OptimState8bit" for s in opt.state.values())
 
     ref = adam_model(cfg, mesh)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=ADAM_LR, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=ADAM_LR, weight_decay=0.01, fused=True)  # 4x foreach on CPU
     losses32, times32 = timed_steps(ref, ref_opt, ADAM_STEPS, pool, ctx.world, schedule(ref_opt))
     bytes32 = optimizer_state_bytes(ref_opt)
 
