@@ -158,8 +158,8 @@ class OptimConfig(_Section):
     warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a fraction of train.lr.")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Clip the global grad norm; 0 disables clipping.")
-    fused: bool | Literal["auto"] = Field("auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under "
-                                                           "FSDP2 sharding (foreach there).")
+    fused: bool | Literal["auto"] = Field(
+        "auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under FSDP2 sharding (foreach).")
 
 
 class TrainConfig(_Section):
