@@ -34,6 +34,7 @@ def results(fsdp2_runs, tmp_path_factory):
     two["_ref_full"] = refs["ddp"]
     two["_ref_noclip"] = refs["ddp:noclip"]
     two["_one_mb8"] = refs["ddp:mb8"]
+    two["_one_compile"] = refs["zero3:compile"]
     return refs["ddp"], two
 
 
@@ -207,9 +208,10 @@ def test_activation_checkpointing_recomputes_every_block(results):
 
 
 def test_compile_produces_compiled_graphs(results):
-    two = results[1]
-    assert two["zero3:compile"]["compiled_graphs"] > 0
+    ref, two = results
+    assert two["zero3:compile"]["compiled_graphs"] > 0 and two["_one_compile"]["compiled_graphs"] > 0
     assert two["zero3"]["compiled_graphs"] == 0
+    assert_same_gradients(ref, two["_one_compile"])  # compiled on one process too (whose graphs the two ranks reuse)
 
 
 @pytest.mark.parametrize(("variant", "dtype"), [("zero3", "float32"), ("zero3:bf16", "bfloat16"),
