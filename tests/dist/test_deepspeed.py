@@ -105,11 +105,13 @@ def test_zero3_lora_saves_a_complete_adapter(results):
     assert lora["base_weights_diff"] == 0.0
 
 
-def _train(out: Path, *extra: str, nproc: int = 2):
-    return run_cli("train", TINY, "--nproc", str(nproc), "--output-dir", str(out), "train.max_steps=8",
-                     "train.micro_batch_size=4", "train.grad_accum=2", "parallel.backend=deepspeed",
-                     "parallel.strategy=zero3", "log.every=1", "log.progress=false", "train.eval_batches=1",
-                     "checkpoint.every_steps=3", "checkpoint.save_final=false", *extra)
+def _train(out: Path, *extra: str, nproc: int = 2, cache: Path | None = None):
+    # micro-llama: resume and refusals do not depend on the model's size
+    cached = [f"data.cache_dir={cache}"] if cache else []
+    return run_cli("train", TINY, "model.preset=micro-llama", *cached, "--nproc", str(nproc), "--output-dir", str(out),
+                   "train.max_steps=8", "train.micro_batch_size=4", "train.grad_accum=2", "parallel.backend=deepspeed",
+                   "parallel.strategy=zero3", "log.every=1", "log.progress=false", "train.eval_batches=1",
+                   "checkpoint.every_steps=3", "checkpoint.save_final=false", *extra)
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -117,10 +119,10 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
-def test_resume_from_a_deepspeed_checkpoint(tmp_path):
+def test_resume_from_a_deepspeed_checkpoint(tmp_path, data_cache):
     full, part = tmp_path / "full", tmp_path / "part"
-    assert _train(full).returncode == 0
-    stop = _train(part, "train.stop_after_step=5")
+    assert _train(full, cache=data_cache).returncode == 0
+    stop = _train(part, "train.stop_after_step=5", cache=data_cache)
     assert stop.returncode == 0, stop.stderr[-3000:]
     ckpt = part / "checkpoints" / "step-00000005"
     assert json.loads((ckpt / "manifest.json").read_text())["format"] == "deepspeed"
@@ -132,7 +134,7 @@ def test_resume_from_a_deepspeed_checkpoint(tmp_path):
         assert own and all(files[name]["by"] == rank for name in own), (rank, own)
     moved = tmp_path / "moved"
     shutil.copytree(part, moved)
-    resumed = _train(part, "--resume")
+    resumed = _train(part, "--resume", cache=data_cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     a, b = _losses(part), _losses(full)
