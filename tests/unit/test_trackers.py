@@ -52,12 +52,13 @@ def test_a_tracker_that_does_not_start_stops_the_run_in_one_line(tmp_path):
     assert "\n" not in message
 
 
-def test_a_run_whose_tracker_does_not_start_exits_2_in_one_line(tmp_path):
+def test_a_run_whose_tracker_does_not_start_exits_2_in_one_line(tmp_path, data_cache):
     """The same through the real `shardtune train` on 2 processes (a subprocess: torch's launcher logs to the
     stderr it found first): rank 0 makes the trackers; the run stops at its start with the tracker's line, exit 2,
     no traceback (rank 1, waiting in a collective, is ended by the launcher)."""
-    proc = shardtune("train", TINY, "--nproc", "2", "--output-dir", str(tmp_path / "run"), "train.max_steps=2",
-               f"data.cache_dir={tmp_path / 'cache'}", "log.mlflow={experiment: e, tracking_uri: 'nosuch://host/x'}")
+    proc = shardtune("train", TINY, "model.preset=micro-llama", "--nproc", "2", "--output-dir", str(tmp_path / "run"),
+                     "train.max_steps=2", f"data.cache_dir={data_cache}",
+                     "log.mlflow={experiment: e, tracking_uri: 'nosuch://host/x'}")
     # Workers print their libraries' warnings too (as in test_run_safety): one error line among them.
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
