@@ -71,14 +71,15 @@ def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_
     assert len(os.listdir(f"/proc/{server}/task")) == 1
 
 
-SCRIPT = """import json, os, sys
+SCRIPT = """import gc, json, os, sys
 start_modules = sorted(m for m in ("transformers", "shardtune.train.loop") if m in sys.modules)
+frozen = gc.get_freeze_count()
 from shardtune.dist import clean_exit, init_distributed
 ctx = init_distributed()
 cmdline = open("/proc/self/cmdline", "rb").read().decode(errors="replace")
 out = os.path.join(sys.argv[1], f"rank{ctx.rank}.json")
 json.dump({"argv": sys.argv, "world": ctx.world, "cmdline": cmdline, "preloaded": start_modules,
-           "path0": sys.path[0]}, open(out, "w"))
+           "path0": sys.path[0], "frozen": frozen}, open(out, "w"))
 print(f"rank {ctx.rank} wrote {out}")
 clean_exit(0)
 """
@@ -97,3 +98,5 @@ def test_the_tests_script_launches_fork_their_workers_too(tmp_path):
         assert got["argv"] == [str(script), str(tmp_path), "x"] and got["world"] == 2
         assert "multiprocessing.forkserver" in got["cmdline"]  # forked, never exec'd
         assert got["preloaded"] == ["shardtune.train.loop", "transformers"] and got["path0"] == str(tmp_path)
+        # the inherited heap is frozen: a full collection does not walk the preloaded modules' objects
+        assert got["frozen"] > 100_000, got["frozen"]
