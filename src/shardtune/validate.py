@@ -105,8 +105,7 @@ def check_memory_snapshot(cfg: Config, device: str) -> None:
                              "remove log.memory_snapshot (or run on GPUs)")
     import torch
 
-    if cfg.parallel.compile and cfg.parallel.activation_checkpointing != "none" and \
-            tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 11):
+    if cfg.parallel.compile and cfg.parallel.activation_checkpointing != "none" and torch.__version__ >= "2.11":
         raise ShardtuneError(f"log.memory_snapshot: PyTorch {torch.__version__.split('+')[0]} fails in the "
                              "recompute of compiled blocks while it records (pytorch/pytorch#179536); record with "
                              "parallel.compile=false or parallel.activation_checkpointing=none, or remove "

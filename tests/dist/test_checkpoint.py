@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _env, descendants, one_line_error, run_cli
+from conftest import MICRO, ROOT, _env, descendants, one_line_error, run_cli
 
 from shardtune.checkpoint.dcp_files import SafeReader, read_tensor
 from shardtune.checkpoint.layout import complete_checkpoints, is_complete, resolve_checkpoint, verify
@@ -26,9 +26,6 @@ from shardtune.stop import alive
 pytestmark = pytest.mark.dist
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
-# The 0.13M-parameter preset: what these tests check (resume, resharding, signals, export) does not depend on the
-# model's size, and a launch costs ~3 s instead of ~8.5 s with tiny-llama's compute.
-MICRO = "model.preset=micro-llama"
 STEPS = 8
 
 

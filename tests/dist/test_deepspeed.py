@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     LAYERS,
+    MICRO,
     NVME_SKIP,
     PROJECTIONS,
     ROOT,
@@ -106,9 +107,8 @@ def test_zero3_lora_saves_a_complete_adapter(results):
 
 
 def _train(out: Path, *extra: str, nproc: int = 2, cache: Path | None = None):
-    # micro-llama: resume and refusals do not depend on the model's size
     cached = [f"data.cache_dir={cache}"] if cache else []
-    return run_cli("train", TINY, "model.preset=micro-llama", *cached, "--nproc", str(nproc), "--output-dir", str(out),
+    return run_cli("train", TINY, MICRO, *cached, "--nproc", str(nproc), "--output-dir", str(out),
                    "train.max_steps=8", "train.micro_batch_size=4", "train.grad_accum=2", "parallel.backend=deepspeed",
                    "parallel.strategy=zero3", "log.every=1", "log.progress=false", "train.eval_batches=1",
                    "checkpoint.every_steps=3", "checkpoint.save_final=false", *extra)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, Payload, run_cli, shardtune, torchrun
+from conftest import MICRO, ROOT, Payload, run_cli, shardtune, torchrun
 
 from shardtune.checkpoint.deepspeed_files import ALLOWED_GLOBALS, STATE_DIR, check_pickles, deepspeed_model_tensors
 from shardtune.checkpoint.export import export_checkpoint
@@ -221,7 +221,7 @@ def test_cli_train_then_export_a_deepspeed_lora_checkpoint(tmp_path, data_cache)
 
     run = tmp_path / "run"
     proc = run_cli("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "2", "--output-dir", str(run),
-                   "model.preset=micro-llama", "parallel.backend=deepspeed", "parallel.strategy=zero2",
+                   MICRO, "parallel.backend=deepspeed", "parallel.strategy=zero2",
                    "train.precision=bf16", "peft.method=lora", "train.max_steps=3", "train.lr=1e-2",
                    "train.eval_batches=1", "log.progress=false", f"data.cache_dir={data_cache}")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _env, descendants, run_cli, small_tmpfs
+from conftest import MICRO, ROOT, _env, descendants, run_cli, small_tmpfs
 
 from shardtune.checkpoint.export import checkpoint_tensors
 from shardtune.checkpoint.layout import complete_checkpoints, resolve_checkpoint
@@ -27,8 +27,6 @@ from shardtune.train.loop import TEST_SIGKILL_ENV
 pytestmark = pytest.mark.dist
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
-# The 0.13M-parameter preset where neither the model's speed nor its checkpoint's size is what a test relies on.
-MICRO = "model.preset=micro-llama"
 STEPS = 20  # the first run is frozen (SIGSTOP) while the second one is tried, so it need not be long
 
 

@@ -8,7 +8,7 @@ import math
 import sys
 
 import pytest
-from conftest import ROOT, one_line_error, shardtune
+from conftest import MICRO, ROOT, one_line_error, shardtune
 
 from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
@@ -56,7 +56,7 @@ def test_a_run_whose_tracker_does_not_start_exits_2_in_one_line(tmp_path, data_c
     """The same through the real `shardtune train` on 2 processes (a subprocess: torch's launcher logs to the
     stderr it found first): rank 0 makes the trackers; the run stops at its start with the tracker's line, exit 2,
     no traceback (rank 1, waiting in a collective, is ended by the launcher)."""
-    proc = shardtune("train", TINY, "model.preset=micro-llama", "--nproc", "2", "--output-dir", str(tmp_path / "run"),
+    proc = shardtune("train", TINY, MICRO, "--nproc", "2", "--output-dir", str(tmp_path / "run"),
                      "train.max_steps=2", f"data.cache_dir={data_cache}",
                      "log.mlflow={experiment: e, tracking_uri: 'nosuch://host/x'}")
     # Workers print their libraries' warnings too (as in test_run_safety): one error line among them.

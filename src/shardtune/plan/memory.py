@@ -216,8 +216,8 @@ def gathered_parameters(m: ModelShape, s: Setting) -> float:
     if s.backend == "fsdp2" and s.param_shards() == 1 and s.strategy != "ddp" and s.peft != "none" and \
             s.frozen_bytes == p:
         # Measured on one H200 (8B LoRA and 8B / 70B QLoRA): without Liger nothing gathered at the peak; with
-        # its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B shape) are
-        # (log.memory_snapshot of 8B LoRA / QLoRA + Liger, bench/RESULTS.md 2026-12-02, third session).
+        # its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B shape) are alive
+        # at it (log.memory_snapshot of 8B LoRA / QLoRA + Liger, bench/RESULTS.md 2026-12-02, third session).
         return float(m.root_params * p) if s.fused_loss_runs else 0.0
     if s.peft == "qlora":
         # Each NF4 linear is dequantised into one compute-dtype weight at a time; the largest is the MLP's.
