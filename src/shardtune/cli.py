@@ -150,15 +150,19 @@ def _hardware_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default=None, metavar="TYPE", help="plan for this GPU type (h200, h100, a100-80gb, ...) "
                                                                "instead of the local one")
     p.add_argument("--gpu-memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GiB (with --gpu)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="host memory per node, e.g. 2TiB (with --gpu; default: this machine's when its GPU is used, "
+                        "else not checked)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="ceilings measured by `shardtune calibrate` (default: ~/.cache/shardtune/calibration.json)")
 
 
-def hardware_from(args: argparse.Namespace) -> Any:
+def hardware_from(args: argparse.Namespace, local_host: bool = False) -> Any:
+    """The hardware flags resolved; `local_host`: the run starts on this machine, so its host memory counts."""
     from shardtune.plan import resolve_hardware
 
     return resolve_hardware(getattr(args, "gpu", None), getattr(args, "gpu_memory", None),
-                            getattr(args, "calibration", None))
+                            getattr(args, "calibration", None), getattr(args, "host_memory", None), local_host)
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -202,7 +206,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     auto = auto_keys(load_config(args.config, _overrides(args)))
     cfg = validate(args.config, _overrides(args), nproc_flag=args.nproc, quiet=True, nnodes=args.nnodes,
-                   hardware=hardware_from(args), force=args.force, overwrite=args.overwrite)
+                   hardware=hardware_from(args, local_host=True), force=args.force, overwrite=args.overwrite)
     nproc = resolve_nproc(args.nproc, cfg.parallel.nproc)
     if args.overwrite and not args.node_rank:
         from shardtune.checkpoint.outdir import clear_finished_run

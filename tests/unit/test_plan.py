@@ -252,7 +252,9 @@ def _cfg(*overrides: str):
 def test_search_refuses_what_does_not_fit_and_names_the_smallest_fix() -> None:
     cfg = _cfg("model.preset=llama-3.2-1b", "parallel.strategy=zero2", "train.micro_batch_size=8",
                "train.seq_len=4096")
-    plan = make_plan(cfg, preset_config("llama-3.2-1b"), lookup("h100"), world=1, per_node=1)
+    # A 24 GiB host (as this test's machine had, which it read before --host-memory) rules offload out.
+    h100 = replace(lookup("h100"), host_memory_bytes=24 * GIB)
+    plan = make_plan(cfg, preset_config("llama-3.2-1b"), h100, world=1, per_node=1)
     assert not plan.configured.fits
     line = refusal(plan)
     assert line is not None and "\n" not in line
@@ -311,6 +313,7 @@ def test_plan_table_and_refusal_through_the_cli(capsys: pytest.CaptureFixture[st
     (["--gpu", "h100", "--gpu-memory", "lots"], "lots"),
     (["--gpu-memory", "80GiB", "--calibration", "/nonexistent/cal.json"], "--calibration"),
     (["--nnodes", "0"], "--nnodes"),
+    (["--gpu", "h100", "--host-memory", "512"], "host memory '512': give a unit"),
 ])
 def test_bad_plan_input_is_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "examples/tiny.yaml", *args]) == 2
@@ -337,3 +340,31 @@ def test_calibration_file_replaces_the_tables_rates(tmp_path) -> None:
     hw = resolve_hardware("h200", None, str(cal))
     assert hw.bf16_flops == 500e12 and hw.memory_bytes == H200.memory_bytes
     assert resolve_hardware("h100", "40GiB", str(cal)).memory_bytes == 40 * GIB  # another type: table + memory
+
+
+def test_host_memory_is_checked_only_where_it_is_known(capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU type named on a login node says nothing of the GPU nodes' host memory: the login node's own RAM
+    must not refuse an 8B ZeRO-3 + CPU-offload run there (it did: 188 GiB of host needed > 24 GiB here)."""
+    cfg = _cfg("model.preset=llama-3-8b", "parallel.backend=deepspeed", "parallel.strategy=zero3",
+               "parallel.offload=optimizer", "parallel.activation_checkpointing=full", "train.micro_batch_size=2")
+    named = resolve_hardware("h100")
+    assert named.host_memory_bytes is None
+    plan = make_plan(cfg, preset_config("llama-3-8b"), named, world=8, per_node=8)
+    assert plan.result.host_capacity is None and plan.configured.usable and refusal(plan) is None
+    # Named with --host-memory, it is checked: the offloaded states need more than 100 GiB of the node's host.
+    small = resolve_hardware("h100", host_memory="100GiB")
+    plan = make_plan(cfg, preset_config("llama-3-8b"), small, world=8, per_node=8)
+    assert plan.result.host_capacity == 100 * GIB and not plan.configured.usable
+    line = refusal(plan)
+    assert line is not None and line.startswith("predicted ") and "GiB of host memory per node > 100 GiB" in line
+    big = resolve_hardware("h100", host_memory="2TiB")
+    assert make_plan(cfg, preset_config("llama-3-8b"), big, world=8, per_node=8).configured.usable
+    # A run that starts here (train) counts this machine's memory, as the local GPU's plan does.
+    from shardtune.plan.hardware import local_host_memory
+
+    assert resolve_hardware("h100", local_host=True).host_memory_bytes == local_host_memory() > 0
+    if not torch.cuda.is_available():  # no GPU here and none named: no hardware to attach the host to
+        with pytest.raises(ShardtuneError, match="--host-memory: also name the GPU type with --gpu"):
+            resolve_hardware(None, host_memory="1TiB")
+    assert main(["plan", "examples/tiny.yaml", "--gpu", "h100", "--host-memory", "1TiB"]) == 0
+    assert "host 1024 GiB per node" in capsys.readouterr().out

@@ -115,10 +115,13 @@ def cpu_hardware(per_node: int) -> Any:
                     host_adam_params_per_s=5e8, hbm_bytes_per_s=5e10)
 
 
-def resolve_hardware(gpu: str | None = None, gpu_memory: str | None = None, calibration: str | None = None) -> Any:
+def resolve_hardware(gpu: str | None = None, gpu_memory: str | None = None, calibration: str | None = None,
+                     host_memory: str | None = None, local_host: bool = False) -> Any:
     """The GPU to plan for: `--gpu` (the table), else the local GPU, else None. A calibration file
     (`shardtune calibrate`; --calibration or the default location) replaces the table's rates when it was
-    measured on the same GPU type; `--gpu-memory` replaces the memory."""
+    measured on the same GPU type; `--gpu-memory` replaces the memory. Host memory per node: `--host-memory`,
+    else this machine's when the GPU is the local one or the run starts here (`local_host`), else unknown (a
+    GPU type named on a login node: the planner does not check host memory then)."""
     from dataclasses import replace
 
     from shardtune.plan import hardware as hwmod
@@ -134,12 +137,20 @@ def resolve_hardware(gpu: str | None = None, gpu_memory: str | None = None, cali
     if path.is_file():
         measured = hwmod.load_calibration(path)
         if hw is None or measured.name == hw.name:
-            hw = measured if hw is None else replace(measured, memory_bytes=hw.memory_bytes)
+            hw = measured if hw is None else replace(measured, memory_bytes=hw.memory_bytes,
+                                                     host_memory_bytes=hw.host_memory_bytes)
     if gpu_memory:
         if hw is None:
             raise ShardtuneError("--gpu-memory: also name the GPU type with --gpu (e.g. --gpu h100 --gpu-memory "
                                  "80GiB); its rates come from the table")
         hw = replace(hw, memory_bytes=hwmod.parse_memory(gpu_memory))
+    if host_memory:
+        if hw is None:
+            raise ShardtuneError("--host-memory: also name the GPU type with --gpu (e.g. --gpu h100 --host-memory "
+                                 "2TiB)")
+        hw = replace(hw, host_memory_bytes=hwmod.parse_memory(host_memory, "host memory", "2TiB or 1000GB"))
+    elif hw is not None and local_host and hw.host_memory_bytes is None:
+        hw = replace(hw, host_memory_bytes=hwmod.local_host_memory())
     return hw
 
 
@@ -225,13 +236,10 @@ def _only(a: Setting, b: Setting, free: set[str]) -> bool:
 
 
 def _host_capacity(hardware: Any) -> float | None:
-    """Host memory per node, when the plan is for this machine (a named remote GPU's host is unknown)."""
-    if getattr(hardware, "name", "") == "cpu":
-        return None
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Host memory per node where it is known (resolve_hardware): the local machine's, or --host-memory. A GPU
+    type named from the table on another machine (a login node) has an unknown host: not checked."""
+    host = getattr(hardware, "host_memory_bytes", None)
+    return float(host) if host else None
 
 
 def refusal(plan: Plan) -> str | None:
@@ -245,7 +253,7 @@ def refusal(plan: Plan) -> str | None:
                 f"on {hw.name} ({hw.memory_bytes / GIB:.0f} GiB less the {SAFETY_MARGIN:.0%} margin)")
     else:
         head = (f"predicted {chosen.memory.host_total / GIB:.0f} GiB of host memory per node > "
-                f"{(plan.result.host_capacity or 0) / GIB:.0f} GiB here")
+                f"{(plan.result.host_capacity or 0) / GIB:.0f} GiB (this machine's, or --host-memory)")
     fixes = smallest_fixes(plan.result)
     if len(fixes) < 2:
         fixes = (fixes + _smaller_micro_batches(plan))[:2]

@@ -353,6 +353,7 @@ def measure(device: torch.device, sizes: Sizes, base: Hardware, gpus: int, adam_
     """Every measurement on `device`, laid over `base`: the calibration record (Hardware fields + metadata).
     A measurement that fails keeps the table's value and says why under "not_measured"."""
     record: dict[str, Any] = asdict(base)
+    record.pop("host_memory_bytes", None)  # not a GPU ceiling: plan reads the host where it runs
     method: dict[str, str] = {"bf16_flops": "datasheet (metrics/flops.py)",
                               "memory_bytes": "torch.cuda.get_device_properties().total_memory"}
     not_measured: dict[str, str] = {

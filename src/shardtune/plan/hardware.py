@@ -35,9 +35,13 @@ class Hardware:
     h2d_bytes_per_s: float  # pinned host<->device copy, the slower direction
     host_adam_params_per_s: float  # CPU AdamW rate of one node (DeepSpeed CPU Adam), parameters/s
     hbm_bytes_per_s: float  # device memory bandwidth (a large copy, bytes read + written)
+    # Host memory of one node, bytes: known for the local machine (detect) or when the user names it
+    # (--host-memory); None for a GPU type named from the table, whose host the planner cannot know.
+    host_memory_bytes: int | None = None
 
 
-FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Hardware))
+# The fields a calibration file may set (the host's memory is not a GPU ceiling).
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Hardware) if f.name != "host_memory_bytes")
 MIB = 2**20
 
 # Links. NCCL bus bandwidth ("busbw" in nccl-tests) is what all-gather and reduce-scatter reach at
@@ -157,17 +161,17 @@ def lookup(name: str, memory_bytes: int | None = None) -> Hardware:
                          "'NVIDIA A100-SXM4-80GB' work too)")
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, what: str = "GPU memory", example: str = "80GiB or 141GB") -> int:
     """'80GiB', '80GB', '141 GB', '139.8GiB' -> bytes (GB = 1e9, GiB = 2**30). A bare number is refused:
     its unit would be a guess."""
     if not re.search(r"[a-zA-Z]\s*$", str(text)):
-        raise ShardtuneError(f"GPU memory {text!r}: give a unit, e.g. 80GiB or 141GB")
+        raise ShardtuneError(f"{what} {text!r}: give a unit, e.g. {example}")
     try:
         value = parse_size(text)
     except ValueError:
-        raise ShardtuneError(f"GPU memory {text!r} is not a size like 80GiB or 141GB") from None
+        raise ShardtuneError(f"{what} {text!r} is not a size like {example}") from None
     if value <= 0:
-        raise ShardtuneError(f"GPU memory {text!r}: must be more than 0, e.g. 80GiB")
+        raise ShardtuneError(f"{what} {text!r}: must be more than 0, e.g. {example.split()[0]}")
     return value
 
 
@@ -184,7 +188,15 @@ def detect() -> Hardware | None:
     except ShardtuneError:
         raise ShardtuneError(f"the local GPU {name!r} is not in the hardware table ({known_names()}); name the "
                              "closest type with --gpu") from None
-    return replace(entry, memory_bytes=total)
+    return replace(entry, memory_bytes=total, host_memory_bytes=local_host_memory())
+
+
+def local_host_memory() -> int | None:
+    """This machine's physical memory, bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def calibration_path() -> Path:

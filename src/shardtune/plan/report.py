@@ -55,6 +55,9 @@ def summary_lines(plan: Plan) -> list[str]:
              f"({c.setting.per_node} per node x {c.setting.nnodes} node(s)); usable {plan.result.capacity / GIB:.1f} "
              "GiB after the safety margin",
              f"pick       {plan.reason()}"]
+    host = plan.result.host_capacity
+    lines[0] += (f"; host {host / GIB:.0f} GiB per node" if host else
+                 "; host memory not checked (--host-memory SIZE checks it)")
     if not plan.auto:
         lines.insert(1, f"config     {describe(c.setting)}: {c.memory.total / GIB:.1f} GiB per GPU predicted (peak at "
                         f"{c.memory.phase}), {c.time.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
