@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.models.presets import PRESETS
+
 ROOT = Path(__file__).resolve().parents[1]
 # One inductor cache for the whole run, this process and every process it starts: kernels (and the precompiled
 # header, ~10-20 s of C++ on CPU) compiled by one test are reused by the next, across processes and runs.
@@ -176,7 +178,8 @@ WORKER = str(ROOT / "tests" / "dist" / "worker.py")
 # ~8.5 s with tiny-llama, whose compute dominates): the override, and its decoder blocks and the 7 projections of
 # each that LoRA adapts (tests/dist/worker.py trains it).
 MICRO = "model.preset=micro-llama"
-LAYERS, PROJECTIONS = 2, 7
+LAYERS = PRESETS["micro-llama"]["num_hidden_layers"]
+PROJECTIONS = 7  # q, k, v, o, gate, up, down: a llama block's linear layers
 # tests/dist/worker.py's variants (strategy[:option...]) in the FSDP2 reference launches: one process with
 # grad_accum 4 and two processes with grad_accum 2 see the same global batches.
 # Micro-batch 2 (the worker's BASE): a global batch of 8; ddp:mb8 (1 x 8 x 1) and zero3:mb1 (2 x 1 x 4) split
