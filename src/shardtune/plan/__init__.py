@@ -12,7 +12,6 @@ hardware); it reads config.json only (the model is built on the meta device) and
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,12 +103,9 @@ def auto_keys(cfg: Any) -> tuple[str, ...]:
 
 def cpu_hardware(per_node: int) -> Any:
     """A CPU machine seen as a 'GPU' per process: its share of host memory; rates only rank candidates."""
-    from shardtune.plan.hardware import Hardware
+    from shardtune.plan.hardware import Hardware, local_host_memory
 
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 16 * GIB
+    total = local_host_memory() or 16 * GIB
     return Hardware(name="cpu", memory_bytes=int(total // max(1, per_node)), bf16_flops=1e12, matmul_efficiency=0.5,
                     intra_node_bus_bytes_per_s=5e9, inter_node_bus_bytes_per_s=1e9, h2d_bytes_per_s=1e10,
                     host_adam_params_per_s=5e8, hbm_bytes_per_s=5e10)
