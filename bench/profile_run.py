@@ -16,8 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from shardtune.config import load_config
-from shardtune.parallel.deepspeed import DeepSpeedBackend
-from shardtune.parallel.fsdp2 import FSDP2Backend
+from shardtune.parallel.deepspeed_engine import DeepSpeedBackend
+from shardtune.parallel.fsdp2_engine import FSDP2Backend
 from shardtune.train.loop import run_training
 
 

@@ -350,7 +350,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _emit_pytorchjob(args)  # a launch file: no model to price
     from shardtune.config import load_config
     from shardtune.launch import resolve_nproc
-    from shardtune.models.build import load_hf_config
+    from shardtune.models.config_json import planning_config
 
     if args.check is not None:
         from shardtune.plan.report import check_run
@@ -364,14 +364,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.nnodes < 1:
         raise ShardtuneError(f"--nnodes {args.nnodes}: expected a positive integer")
     cfg = load_config(args.config, list(args.overrides))
-    hf_config = load_hf_config(cfg.model)
+    hf_config = planning_config(cfg.model)  # config.json as JSON where that is enough: no torch import
     world = resolve_nproc(args.nproc, cfg.parallel.nproc)
     from shardtune.plan import auto_keys
 
     if args.emit is not None or "parallel.strategy" not in auto_keys(cfg):
         from shardtune.validate import check_combination
 
-        check_combination(_concrete(cfg), world)
+        # Without --emit, as a planner's candidate: no backend package import (`import deepspeed` is ~5 s).
+        check_combination(_concrete(cfg), world, candidate=args.emit is None)
+        if args.emit is None and cfg.deepspeed:
+            print("note: the deepspeed: section is checked by DeepSpeed's own parser in `shardtune validate` and at "
+                  "launch (plan leaves the deepspeed import out)", file=sys.stderr)
     if args.emit is not None:
         if auto_keys(cfg):
             raise ShardtuneError(f"--emit {args.emit}: the config leaves parallel.strategy or train.micro_batch_size "

@@ -46,7 +46,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world, device=device_type())
-    from shardtune.models.liger import check_liger
+    from shardtune.models.liger_rules import check_liger
 
     check_liger(cfg.model.liger, device_type(), hf_config.model_type)
     check_memory_snapshot(cfg, device_type())
@@ -150,11 +150,13 @@ def check_weight_files(model_dir: Path) -> None:
                                  f"says {8 + n + end:,}); copy or download it again")
 
 
-def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None) -> None:
-    """Settings that cannot work together (parallel.check_combination), refused before any process starts."""
+def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None,
+                      candidate: bool = False) -> None:
+    """Settings that cannot work together (parallel.check_combination), refused before any process starts.
+    `candidate`: without importing an installed backend package (`plan`)."""
     from shardtune.parallel import check_combination as check
 
-    check(cfg, world, device=device)
+    check(cfg, world, device=device, candidate=candidate)
 
 
 def check_worker(cfg: Config, world: int) -> None:
@@ -170,7 +172,7 @@ def check_worker(cfg: Config, world: int) -> None:
     check_trackers(cfg)
     if cfg.model.liger is True or cfg.model.liger == "loss":
         from shardtune.models.build import load_hf_config
-        from shardtune.models.liger import check_liger
+        from shardtune.models.liger_rules import check_liger
 
         check_liger(cfg.model.liger, device_type(), load_hf_config(cfg.model).model_type)
     check_resume(cfg, world)

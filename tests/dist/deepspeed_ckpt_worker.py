@@ -39,7 +39,7 @@ from shardtune.models.facts import decoder_blocks
 from shardtune.models.presets import preset_config
 from shardtune.models.tokenizer import load_tokenizer
 from shardtune.models.weights import make_source
-from shardtune.parallel.deepspeed import DeepSpeedBackend
+from shardtune.parallel.deepspeed_engine import DeepSpeedBackend
 from shardtune.parallel.ds_config import deepspeed_config
 from shardtune.peft.lora import LoraSource, apply_lora
 from shardtune.train.loss import token_loss_sum

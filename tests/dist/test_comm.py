@@ -21,7 +21,7 @@ BOOKKEEPING = 64
 
 def _volumes(run: dict) -> tuple[float, float]:
     """(all parameters, what zero3 gathers a second time, in backward) in bytes: everything but the last decoder
-    block, which parallel/fsdp2.py keeps gathered from forward to backward."""
+    block, which parallel/fsdp2_engine.py keeps gathered from forward to backward."""
     numel = run["numel"]
     return numel["params"] * FP32, (numel["params"] - numel["blocks"][-1]) * FP32
 

@@ -12,7 +12,7 @@ from shardtune.checkpoint.layout import finalize
 from shardtune.config import Config, config_from_dict
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import BACKENDS, describe
-from shardtune.parallel.base import SUPPORT_KEYS
+from shardtune.parallel.spec import SUPPORT_KEYS
 from shardtune.validate import check_combination, check_resume
 
 BASE = {"model": {"preset": "tiny-llama"}, "data": {"train_file": "examples/data/tasks.jsonl"}}

@@ -12,14 +12,8 @@ from conftest import ROOT, one_line_error
 from shardtune.config import load_config
 from shardtune.data import Batch
 from shardtune.errors import ConfigError, ShardtuneError
-from shardtune.models.liger import (
-    check_liger,
-    install_fused_loss,
-    liger_installed,
-    liger_kernels_wanted,
-    reference_fused_loss,
-    use_liger,
-)
+from shardtune.models.liger import install_fused_loss, reference_fused_loss
+from shardtune.models.liger_rules import check_liger, liger_installed, liger_kernels_wanted, use_liger
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 

@@ -1,36 +1,71 @@
 """Per-architecture facts, one table keyed by `config.model_type`.
 
 The parallel code never names a model family; it asks this table which module class is the
-repeated decoder block (the unit of sharding and activation checkpointing) and which linear layers
-LoRA targets by default. Unknown architectures fall back to discovering the repeated block.
+repeated decoder block (the unit of sharding and activation checkpointing), which linear layers
+LoRA targets by default and, for the common families, how the block is laid out, so the planner can
+count parameters from config.json without building the model (or importing torch). Unknown
+architectures fall back to discovering the repeated block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 _ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# config.json keys a parameter count needs stated (their class defaults vary by family and by release).
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a Llama-like block (q/k/v/o attention, gated MLP, RMSNorms) is made, read from transformers' modeling
+    code; tests/unit/test_plan_shape.py counts each family both ways (this and a meta-device build).
+
+    bias:     "config": q, k, v and o take config.attention_bias; "qkv": q, k and v always have one, o never;
+              "none": no attention bias.
+    mlp_bias: whether config.mlp_bias gives gate/up/down a bias.
+    qk_norm:  "head": an RMSNorm over head_dim on queries and keys (Qwen3); "full": over the whole q and k
+              projections (OLMo-2); "": none.
+    norms:    hidden-wide RMSNorms per block.
+    defaults: transformers' class defaults of the keys not in SIZE_KEYS (None: derived, as the class does:
+              num_key_value_heads = num_attention_heads, head_dim = hidden_size // num_attention_heads)."""
+
+    bias: str = "config"
+    mlp_bias: bool = False
+    qk_norm: str = ""
+    norms: int = 2
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def _defaults(tie: bool = False, kv_heads: int | None = None, head_dim: int | None = None) -> dict[str, Any]:
+    return {"tie_word_embeddings": tie, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "attention_bias": False, "mlp_bias": False}
 
 
 @dataclass(frozen=True)
 class ArchFacts:
     block_class: str
     lora_targets: tuple[str, ...] = _ATTN_MLP
+    layout: BlockLayout | None = None  # None: the planner builds the model on the meta device to count it
 
 
 ARCH_FACTS: dict[str, ArchFacts] = {
-    "llama": ArchFacts("LlamaDecoderLayer"),
-    "mistral": ArchFacts("MistralDecoderLayer"),
+    "llama": ArchFacts("LlamaDecoderLayer", layout=BlockLayout(mlp_bias=True, defaults=_defaults())),
+    "mistral": ArchFacts("MistralDecoderLayer", layout=BlockLayout(bias="none", defaults=_defaults(kv_heads=8))),
     "mixtral": ArchFacts("MixtralDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj")),
-    "qwen2": ArchFacts("Qwen2DecoderLayer"),
-    "qwen3": ArchFacts("Qwen3DecoderLayer"),
-    "gemma": ArchFacts("GemmaDecoderLayer"),
-    "gemma2": ArchFacts("Gemma2DecoderLayer"),
+    "qwen2": ArchFacts("Qwen2DecoderLayer", layout=BlockLayout(bias="qkv", defaults=_defaults(kv_heads=32))),
+    "qwen3": ArchFacts("Qwen3DecoderLayer", layout=BlockLayout(qk_norm="head",
+                                                                defaults=_defaults(kv_heads=32, head_dim=128))),
+    "gemma": ArchFacts("GemmaDecoderLayer", layout=BlockLayout(defaults=_defaults(True, kv_heads=16, head_dim=256))),
+    "gemma2": ArchFacts("Gemma2DecoderLayer", layout=BlockLayout(norms=4, defaults=_defaults(True, kv_heads=4,
+                                                                                             head_dim=256))),
     "phi3": ArchFacts("Phi3DecoderLayer", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-    "olmo2": ArchFacts("Olmo2DecoderLayer"),
-    "granite": ArchFacts("GraniteDecoderLayer"),
+    "olmo2": ArchFacts("Olmo2DecoderLayer", layout=BlockLayout(qk_norm="full", defaults=_defaults())),
+    "granite": ArchFacts("GraniteDecoderLayer", layout=BlockLayout(mlp_bias=True, defaults=_defaults())),
     "gpt2": ArchFacts("GPT2Block", ("c_attn", "c_proj", "c_fc")),
 }
 
@@ -46,6 +81,8 @@ def decoder_blocks(model: nn.Module, model_type: str) -> list[nn.Module]:
 
 
 def _discover_blocks(model: nn.Module) -> list[nn.Module]:
+    from torch import nn
+
     # The largest ModuleList whose children all share one class is the stack of decoder blocks.
     best: list[nn.Module] = []
     for module in model.modules():

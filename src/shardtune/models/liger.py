@@ -22,60 +22,21 @@ plain path's loss and gradients with a reference loss of the same contract, also
 on a GPU: Liger's kernels inside shardtune (speed, memory, loss parity against the plain path), with
 torch.compile'd blocks, with packing (position_ids go through Liger's RoPE unchanged), and with PEFT.
 The DeepSpeed backend gets the kernels but keeps the plain loss (ZeRO-3 gathers the LM head only when the
-module itself is called).
+module itself is called). When Liger applies (model types, refusals, the choice) is in models/liger_rules.py,
+which imports no torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardtune.data import IGNORE_INDEX
-from shardtune.errors import ShardtuneError
-
-# Model types whose causal-LM module is `model` (the decoder) + `lm_head` with a plain final projection (no
-# logit soft-capping), and which Liger patches (liger_kernel.transformers.monkey_patch).
-LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-LigerSetting = bool | Literal["auto", "loss"]
-
-
-def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def check_liger(setting: LigerSetting, device_type: str, model_type: str) -> None:
-    """Refuse `model.liger: true` where it cannot run, in one line with the fix (auto and false never are)."""
-    if setting is not True and setting != "loss":
-        return
-    key = "true" if setting is True else setting
-    if device_type != "cuda":
-        raise ShardtuneError(f"model.liger: {key} needs CUDA GPUs (Liger's kernels are Triton) and this machine has "
-                             f"{device_type} only; set model.liger=auto (on only on GPUs) or false")
-    if model_type not in LIGER_MODEL_TYPES:
-        raise ShardtuneError(f"model.liger: {key}, but shardtune applies Liger only to {', '.join(LIGER_MODEL_TYPES)} "
-                             f"models and this one is {model_type!r}; set model.liger=false")
-    if not liger_installed():
-        raise ShardtuneError(f"model.liger: {key}, but liger-kernel is not installed; pip install -e '.[liger]' "
-                             "(or liger-kernel), or set model.liger=auto or false")
-
-
-def use_liger(setting: LigerSetting, device_type: str, model_type: str) -> bool:
-    """Whether this run applies Liger (after check_liger passed)."""
-    if setting is False:
-        return False
-    return device_type == "cuda" and model_type in LIGER_MODEL_TYPES and liger_installed()
-
-
-def liger_kernels_wanted(setting: LigerSetting, compiled: bool) -> bool:
-    """Whether Liger's RMSNorm, RoPE and SwiGLU go in (where use_liger holds): always for true, never for loss;
-    for auto only without parallel.compile (bench/RESULTS.md 2026-12-02: with compiled blocks they cost speed)."""
-    return setting is True or (setting == "auto" and not compiled)
 
 
 def apply_liger_kernels(causal_lm: nn.Module) -> None:

@@ -3,6 +3,8 @@
 Each backend module declares what it runs (SUPPORTS, REFUSALS), its other refusals (`check`), how
 `plan` describes it (`describe`) and its checkpoint format, in one BackendSpec; BACKENDS maps
 `parallel.backend` to it. Nothing outside this package asks which backend or strategy a run has.
+The rules (this module, spec.py, fsdp2.py, deepspeed.py, ds_config.py) import neither torch nor deepspeed, so
+`plan` and `validate` run on a login node without them; a backend's engine module is imported by `make` only.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardtune.dist import DistContext
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import deepspeed, fsdp2
-from shardtune.parallel.base import Backend, BackendSpec, LossFn
+from shardtune.parallel.spec import BackendSpec
 
 if TYPE_CHECKING:
     from shardtune.config import Config, ParallelConfig
+    from shardtune.dist import DistContext
+    from shardtune.parallel.base import Backend, LossFn
 
 BACKENDS: dict[str, BackendSpec] = {
     "fsdp2": fsdp2.SPEC,
@@ -39,7 +42,7 @@ def check_combination(cfg: Config, world: int | None = None, *, device: str | No
     from shardtune import peft
 
     check(cfg, world, device, candidate=candidate)
-    peft.check(cfg.peft, cfg.optim, cfg.train.precision)
+    peft.check(cfg.peft, cfg.optim, cfg.train.precision, candidate=candidate)
 
 
 def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:

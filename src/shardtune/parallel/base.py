@@ -1,21 +1,16 @@
-"""The backend seam: the training loop drives any backend through this interface alone, and
-`parallel.BACKENDS` holds, per backend, what it supports and how to build it."""
+"""The backend seam: the training loop drives any backend through this interface alone (what each backend
+supports and how to build it is its BackendSpec, in spec.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from shardtune.errors import ShardtuneError
-
 if TYPE_CHECKING:
-    from shardtune.config import Config, ParallelConfig
     from shardtune.data import Batch
-    from shardtune.dist import DistContext
     from shardtune.models.weights import WeightSource
 
 
@@ -82,44 +77,3 @@ class Backend(Protocol):
     def forward(self, batch: Batch) -> torch.Tensor: ...
 
     def full_tensor(self, param: torch.Tensor) -> torch.Tensor: ...
-
-
-# Config keys a backend declares its support for (BackendSpec.supports), with where each value is read.
-SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
-    "parallel.strategy": lambda cfg: cfg.parallel.strategy,
-    "parallel.offload": lambda cfg: cfg.parallel.offload,
-    "peft.method": lambda cfg: cfg.peft.method,
-    "optim.name": lambda cfg: cfg.optim.name,
-    "train.precision": lambda cfg: cfg.train.precision,
-}
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """One entry of `parallel.BACKENDS`, declared in the backend's own module.
-
-    supports:  config key (SUPPORT_KEYS) -> the values this backend runs; the planner picks among them.
-    refusals:  (key, value) -> the one-line message (with its fix) for each value it does not run.
-    make:      builds the backend for a run: (cfg, ctx, loss) -> Backend.
-    check:     its other refusals: (cfg, world or None, device type or None); world = processes per node.
-    describe:  (cfg, world) -> how it runs the strategy, as `shardtune plan` prints it.
-    checkpoint_format: the on-disk format of its checkpoints (a name in checkpoint.formats).
-    param_shards: (parallel, world) -> over how many ranks it splits each parameter at rest (1: every rank
-               holds whole parameters); QLoRA sizes its NF4 blocks for it.
-    """
-
-    supports: dict[str, tuple[str, ...]]
-    refusals: dict[tuple[str, str], str]
-    make: Callable[[Config, DistContext, LossFn], Backend]
-    check: Callable[[Config, int | None, str | None], None]
-    describe: Callable[[Config, int], str]
-    checkpoint_format: str
-    param_shards: Callable[[ParallelConfig, int], int]
-
-    def refuse_unsupported(self, cfg: Config) -> None:
-        """The first setting this backend does not run, as one line with its fix."""
-        for key, allowed in self.supports.items():
-            value = SUPPORT_KEYS[key](cfg)
-            if value not in allowed:
-                raise ShardtuneError(self.refusals.get((key, value), f"{key}: {value} is not a setting this backend "
-                                                                      "runs; choose one of " + ", ".join(allowed)))

@@ -8,17 +8,15 @@ from shardtune.config import OptimConfig, PeftConfig
 from shardtune.errors import ShardtuneError
 
 
-def check(peft: PeftConfig, optim: OptimConfig, precision: str) -> None:
+def check(peft: PeftConfig, optim: OptimConfig, precision: str, *, candidate: bool = False) -> None:
     """What the LoRA / QLoRA / 8-bit AdamW settings need, whatever the backend (peft, torchao, a base dtype
-    the matmuls can take), refused in one line with the fix."""
-    from shardtune.peft.optim8bit import adamw8bit_available
-    from shardtune.peft.qlora import nf4_available
-
-    if peft.method != "none" and (failed := peft_import_error()) is not None:
+    the matmuls can take), refused in one line with the fix. `candidate` (a planner's): the packages are only
+    looked up, not imported (peft and torchao import torch and transformers, seconds of a `plan`)."""
+    if peft.method != "none" and (failed := _peft_problem(candidate)) is not None:
         raise ShardtuneError(f"peft.method: {peft.method} needs the peft package (import peft failed: {failed}); "
                              f"pip install -e '.[peft]' in the shardtune checkout (or pip install peft), or use "
                              f"peft.method=none")
-    if peft.method == "qlora" and not nf4_available():
+    if peft.method == "qlora" and not _torchao("nf4", candidate):
         raise ShardtuneError("peft.method: qlora needs torchao (NF4 weights that FSDP2 can shard); "
                              "pip install -e '.[qlora]' in the shardtune checkout")
     if peft.method == "qlora" and peft.use_dora:
@@ -28,9 +26,32 @@ def check(peft: PeftConfig, optim: OptimConfig, precision: str) -> None:
         raise ShardtuneError(f"peft.base_dtype: {peft.base_dtype} base weights with train.precision={precision} "
                              f"would meet {precision} activations in the matmuls; set peft.base_dtype=auto (or "
                              f"fp32), or train.precision={peft.base_dtype}")
-    if optim.name == "adamw8bit" and not adamw8bit_available():
+    if optim.name == "adamw8bit" and not _torchao("adamw8bit", candidate):
         raise ShardtuneError("optim.name: adamw8bit needs torchao (its 8-bit AdamW keeps sharded states); "
                              "pip install -e '.[qlora]' in the shardtune checkout")
+
+
+def _peft_problem(candidate: bool) -> str | None:
+    """Why peft cannot be used (None: it can); for a candidate only whether it is installed."""
+    if candidate:
+        import importlib.util
+
+        return None if importlib.util.find_spec("peft") is not None else "not installed"
+    return peft_import_error()
+
+
+def _torchao(feature: str, candidate: bool) -> bool:
+    if candidate:
+        import importlib.util
+
+        return importlib.util.find_spec("torchao") is not None
+    if feature == "nf4":
+        from shardtune.peft.qlora import nf4_available
+
+        return nf4_available()
+    from shardtune.peft.optim8bit import adamw8bit_available
+
+    return adamw8bit_available()
 
 
 @functools.lru_cache(maxsize=1)

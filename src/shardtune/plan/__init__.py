@@ -215,9 +215,9 @@ def make_plan(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: 
 
 def liger_applies(cfg: Any, hf_config: Any, hardware: Any) -> bool:
     """Whether model.liger applies to the run on `hardware` (a GPU; the loop decides the same with
-    models.liger.use_liger on the machine it runs on): auto counts only where liger-kernel is installed here.
+    models.liger_rules.use_liger on the machine it runs on): auto counts only where liger-kernel is installed here.
     The DeepSpeed backend keeps the plain loss whatever this says (memory.logits_bytes)."""
-    from shardtune.models.liger import LIGER_MODEL_TYPES, liger_installed
+    from shardtune.models.liger_rules import LIGER_MODEL_TYPES, liger_installed
 
     setting = cfg.model.liger
     if setting is False or getattr(hardware, "name", "") == "cpu":

@@ -177,6 +177,10 @@ def parse_memory(text: str, what: str = "GPU memory", example: str = "80GiB or 1
 
 def detect() -> Hardware | None:
     """The local GPU's table entry with the memory torch reports; None without a CUDA GPU."""
+    from shardtune.launch import gpu_driver_present
+
+    if not gpu_driver_present():
+        return None
     import torch
 
     if not torch.cuda.is_available():

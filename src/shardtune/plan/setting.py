@@ -88,8 +88,8 @@ class Setting:
 def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = False) -> Setting:
     """The Setting a Config describes; `auto` strategy / micro-batch take placeholders the search replaces.
     `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
-    kernels go in as models.liger.liger_kernels_wanted says."""
-    from shardtune.models.liger import liger_kernels_wanted
+    kernels go in as models.liger_rules.liger_kernels_wanted says."""
+    from shardtune.models.liger_rules import liger_kernels_wanted
 
     p, t = cfg.parallel, cfg.train
     return Setting(

@@ -118,7 +118,7 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
     reduce-scatter of B bytes over n ranks moves B(n-1)/n per rank, an all-reduce twice that).
 
     zero3 / hsdp gather the parameters twice per micro-batch (forward and backward) except the last decoder
-    block, which parallel/fsdp2.py keeps gathered from forward to backward (communication accounting counts
+    block, which parallel/fsdp2_engine.py keeps gathered from forward to backward (communication accounting counts
     exactly this on 2 CPU processes, tests/dist/test_comm.py); zero2 gathers everything once; every
     sharded strategy reduce-scatters fp32 gradients per micro-batch (FSDP2 syncs each one); DDP all-reduces
     once per step. hsdp adds an all-reduce of the sharded gradients across its replica groups. DeepSpeed

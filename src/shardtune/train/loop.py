@@ -262,13 +262,8 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
 def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: Any, backend: Backend) -> None:
     """model.liger: Liger's kernels swapped into the meta model (before compile and sharding), and its fused
     linear + cross-entropy as the loss where the backend computes it in the model's forward (FSDP2, DDP)."""
-    from shardtune.models.liger import (
-        apply_liger_kernels,
-        install_fused_loss,
-        liger_kernels_wanted,
-        liger_loss,
-        use_liger,
-    )
+    from shardtune.models.liger import apply_liger_kernels, install_fused_loss, liger_loss
+    from shardtune.models.liger_rules import liger_kernels_wanted, use_liger
 
     if not use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type):
         return

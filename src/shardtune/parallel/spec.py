@@ -1,0 +1,55 @@
+"""What a backend declares about itself (BackendSpec), read by `plan` and `validate` without importing torch:
+`parallel.BACKENDS` maps `parallel.backend` to one per backend module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardtune.errors import ShardtuneError
+
+if TYPE_CHECKING:
+    from shardtune.config import Config, ParallelConfig
+    from shardtune.dist import DistContext
+    from shardtune.parallel.base import Backend, LossFn
+
+# Config keys a backend declares its support for (BackendSpec.supports), with where each value is read.
+SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
+    "parallel.strategy": lambda cfg: cfg.parallel.strategy,
+    "parallel.offload": lambda cfg: cfg.parallel.offload,
+    "peft.method": lambda cfg: cfg.peft.method,
+    "optim.name": lambda cfg: cfg.optim.name,
+    "train.precision": lambda cfg: cfg.train.precision,
+}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One entry of `parallel.BACKENDS`, declared in the backend's own module.
+
+    supports:  config key (SUPPORT_KEYS) -> the values this backend runs; the planner picks among them.
+    refusals:  (key, value) -> the one-line message (with its fix) for each value it does not run.
+    make:      builds the backend for a run: (cfg, ctx, loss) -> Backend.
+    check:     its other refusals: (cfg, world or None, device type or None); world = processes per node.
+    describe:  (cfg, world) -> how it runs the strategy, as `shardtune plan` prints it.
+    checkpoint_format: the on-disk format of its checkpoints (a name in checkpoint.formats).
+    param_shards: (parallel, world) -> over how many ranks it splits each parameter at rest (1: every rank
+               holds whole parameters); QLoRA sizes its NF4 blocks for it.
+    """
+
+    supports: dict[str, tuple[str, ...]]
+    refusals: dict[tuple[str, str], str]
+    make: Callable[[Config, DistContext, LossFn], Backend]
+    check: Callable[[Config, int | None, str | None], None]
+    describe: Callable[[Config, int], str]
+    checkpoint_format: str
+    param_shards: Callable[[ParallelConfig, int], int]
+
+    def refuse_unsupported(self, cfg: Config) -> None:
+        """The first setting this backend does not run, as one line with its fix."""
+        for key, allowed in self.supports.items():
+            value = SUPPORT_KEYS[key](cfg)
+            if value not in allowed:
+                raise ShardtuneError(self.refusals.get((key, value), f"{key}: {value} is not a setting this backend "
+                                                                      "runs; choose one of " + ", ".join(allowed)))
