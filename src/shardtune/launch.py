@@ -24,8 +24,15 @@ def under_torchrun() -> bool:
 
 
 # Device files a GPU driver makes (NVIDIA; AMD ROCm; WSL's GPU bridge). Without any of them torch finds no GPU, so
-# the answer needs no torch import (~3.5 s, the most of a login node's `shardtune plan`).
+# the answer needs no torch import (~3.5 s here, ~14 s on a cold GPU node: most of a `shardtune plan`).
 _GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+_SMI_QUERY = "index,uuid,name,memory.total,mig.mode.current"
+
+
+@dataclass(frozen=True)
+class LocalGpu:
+    name: str
+    memory_bytes: int
 
 
 def gpu_driver_present() -> bool:
@@ -33,12 +40,62 @@ def gpu_driver_present() -> bool:
     return any(os.path.exists(path) for path in _GPU_DEVICE_FILES)
 
 
-def local_gpu_count() -> int:
+def local_gpus() -> list[LocalGpu]:
+    """The GPUs this process may use, in CUDA's order: from nvidia-smi where that answers for certain (no torch
+    import), else from torch (already imported in a worker; AMD, MIG slices, mixed GPU types, no nvidia-smi)."""
     if not gpu_driver_present():
-        return 0
+        return []
+    if "torch" not in sys.modules:
+        import shutil
+        import subprocess
+
+        smi = shutil.which("nvidia-smi")
+        try:
+            out = subprocess.run([smi, f"--query-gpu={_SMI_QUERY}", "--format=csv,noheader,nounits"], check=True,
+                                 capture_output=True, text=True, timeout=20).stdout if smi else None
+        except (OSError, subprocess.SubprocessError):
+            out = None
+        gpus = visible_from_smi(out, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                os.environ.get("CUDA_DEVICE_ORDER")) if out is not None else None
+        if gpus is not None:
+            return gpus
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not torch.cuda.is_available():
+        return []
+    return [LocalGpu(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
+            for i in range(torch.cuda.device_count())]
+
+
+def visible_from_smi(csv: str, visible: str | None, order: str | None) -> list[LocalGpu] | None:
+    """The GPUs CUDA would show, from nvidia-smi's `index, uuid, name, memory.total [MiB], mig.mode.current`
+    rows and CUDA_VISIBLE_DEVICES (indices or UUIDs; CUDA stops at the first it cannot match). None where only
+    CUDA can say: MIG on (nvidia-smi gives the whole GPU's memory), or mixed GPU types under CUDA's default
+    fastest-first order, which nvidia-smi's PCI order need not match."""
+    rows = []
+    for line in csv.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5 or not parts[0].isdigit() or not parts[3].isdigit():
+            return None
+        if parts[4].lower() == "enabled":
+            return None
+        rows.append((int(parts[0]), parts[1], parts[2], int(parts[3]) * 2**20))
+    if len({(name, mem) for _, _, name, mem in rows}) > 1 and order != "PCI_BUS_ID":
+        return None
+    chosen = rows
+    if visible is not None:
+        chosen = []
+        for token in (t.strip() for t in visible.split(",")):
+            match = [r for r in rows if (token.isdigit() and r[0] == int(token))
+                     or (token.startswith("GPU-") and r[1].startswith(token))]
+            if len(match) != 1 or match[0] in chosen:
+                break
+            chosen.append(match[0])
+    return [LocalGpu(name, mem) for _, _, name, mem in chosen]
+
+
+def local_gpu_count() -> int:
+    return len(local_gpus())
 
 
 def resolve_nproc(flag: int | str | None, config_value: int | str) -> int:

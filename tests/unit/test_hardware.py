@@ -167,3 +167,66 @@ def test_bad_calibration_files(tmp_path, content, fragment):
     with pytest.raises(ShardtuneError) as err:
         load_calibration(path)
     assert fragment in str(err.value) and str(path) in str(err.value)
+
+
+SMI = """0, GPU-aaaa1111, NVIDIA H200, 143771, Disabled
+1, GPU-bbbb2222, NVIDIA H200, 143771, Disabled
+2, GPU-cccc3333, NVIDIA H200, 143771, Disabled
+"""
+
+
+@pytest.mark.parametrize("visible, expected", [
+    (None, 3),
+    ("", 0),
+    ("2,0", 2),
+    ("GPU-bbbb", 1),  # a UUID prefix, as CUDA takes it
+    ("1,7,2", 1),  # CUDA stops at the first device it cannot match
+    ("1,1", 1),
+])
+def test_nvidia_smi_rows_as_cuda_shows_them(visible, expected):
+    """`plan` on a GPU node asks nvidia-smi (no torch import): the GPUs CUDA_VISIBLE_DEVICES leaves visible."""
+    from shardtune.launch import visible_from_smi
+
+    gpus = visible_from_smi(SMI, visible, None)
+    assert len(gpus) == expected
+    assert all(g.name == "NVIDIA H200" and g.memory_bytes == 143771 * 2**20 for g in gpus)
+
+
+def test_what_only_cuda_can_say_is_left_to_torch():
+    from shardtune.launch import visible_from_smi
+
+    assert visible_from_smi(SMI.replace("1, GPU-bbbb2222, NVIDIA H200, 143771, Disabled",
+                                        "1, GPU-bbbb2222, NVIDIA H200, 143771, Enabled"), None, None) is None  # MIG
+    mixed = SMI.replace("2, GPU-cccc3333, NVIDIA H200, 143771", "2, GPU-cccc3333, NVIDIA A100-SXM4-80GB, 81920")
+    assert visible_from_smi(mixed, "2", None) is None  # CUDA's fastest-first order need not be nvidia-smi's
+    assert visible_from_smi(mixed, "2", "PCI_BUS_ID")[0].name == "NVIDIA A100-SXM4-80GB"
+    assert visible_from_smi("No devices were found\n", None, None) is None
+
+
+def test_no_driver_means_no_gpu_without_asking_torch(monkeypatch):
+    import shardtune.launch as launch
+
+    monkeypatch.setattr(launch, "_GPU_DEVICE_FILES", ("/nonexistent/nvidiactl",))
+    assert launch.local_gpus() == [] and launch.local_gpu_count() == 0 and detect() is None
+
+
+def test_a_gpu_node_is_detected_through_nvidia_smi_without_torch(tmp_path):
+    """The wiring (device file, nvidia-smi on PATH, its CSV) in a fresh interpreter; there is no NVIDIA driver on
+    the CPU machines, so nvidia-smi is a script printing a real H200's answer (the GPU machine runs the real one,
+    bench/RESULTS.md 2026-12-04)."""
+    import os
+    import subprocess
+    import sys
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0, GPU-aaaa1111, NVIDIA H200, 143771, Disabled\\n'\n")
+    smi.chmod(0o755)
+    ctl = tmp_path / "nvidiactl"
+    ctl.touch()
+    code = (f"import sys, shardtune.launch as launch\nlaunch._GPU_DEVICE_FILES = ({str(ctl)!r},)\n"
+            "from shardtune.plan.hardware import detect\nhw = detect()\n"
+            "print(hw.name, launch.local_gpu_count(), round(hw.memory_bytes / 2**20), 'torch' in sys.modules)")
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["h200", "1", "143771", "False"]

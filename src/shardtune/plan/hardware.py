@@ -176,17 +176,13 @@ def parse_memory(text: str, what: str = "GPU memory", example: str = "80GiB or 1
 
 
 def detect() -> Hardware | None:
-    """The local GPU's table entry with the memory torch reports; None without a CUDA GPU."""
-    from shardtune.launch import gpu_driver_present
+    """The local GPU's table entry with the memory the driver reports; None without a GPU."""
+    from shardtune.launch import local_gpus
 
-    if not gpu_driver_present():
+    gpus = local_gpus()
+    if not gpus:
         return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(0)
-    total = torch.cuda.get_device_properties(0).total_memory
+    name, total = gpus[0].name, gpus[0].memory_bytes
     try:
         entry = lookup(name, memory_bytes=total)
     except ShardtuneError:
