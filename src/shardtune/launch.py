@@ -26,7 +26,7 @@ def under_torchrun() -> bool:
 # Device files a GPU driver makes (NVIDIA; AMD ROCm; WSL's GPU bridge). Without any of them torch finds no GPU, so
 # the answer needs no torch import (~3.5 s here, ~14 s on a cold GPU node: most of a `shardtune plan`).
 _GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
-_SMI_QUERY = "index,uuid,name,memory.total,mig.mode.current"
+_SMI_QUERY = "index,uuid,name,memory.total,memory.reserved,mig.mode.current"
 
 
 @dataclass(frozen=True)
@@ -68,18 +68,19 @@ def local_gpus() -> list[LocalGpu]:
 
 
 def visible_from_smi(csv: str, visible: str | None, order: str | None) -> list[LocalGpu] | None:
-    """The GPUs CUDA would show, from nvidia-smi's `index, uuid, name, memory.total [MiB], mig.mode.current`
-    rows and CUDA_VISIBLE_DEVICES (indices or UUIDs; CUDA stops at the first it cannot match). None where only
-    CUDA can say: MIG on (nvidia-smi gives the whole GPU's memory), or mixed GPU types under CUDA's default
-    fastest-first order, which nvidia-smi's PCI order need not match."""
+    """The GPUs CUDA would show, from nvidia-smi's `index, uuid, name, memory.total, memory.reserved [MiB],
+    mig.mode.current` rows and CUDA_VISIBLE_DEVICES (indices or UUIDs; CUDA stops at the first it cannot match).
+    Memory is total less what the driver reserves: CUDA's total (H200: 143,771 - 616 MiB, within 1 MiB of
+    torch's 150,109,880,320 bytes). None where only CUDA can say: MIG on (nvidia-smi gives the whole GPU), or
+    mixed GPU types under CUDA's default fastest-first order, which nvidia-smi's PCI order need not match."""
     rows = []
     for line in csv.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 5 or not parts[0].isdigit() or not parts[3].isdigit():
+        if len(parts) != 6 or not (parts[0].isdigit() and parts[3].isdigit() and parts[4].isdigit()):
             return None
-        if parts[4].lower() == "enabled":
+        if parts[5].lower() == "enabled":
             return None
-        rows.append((int(parts[0]), parts[1], parts[2], int(parts[3]) * 2**20))
+        rows.append((int(parts[0]), parts[1], parts[2], (int(parts[3]) - int(parts[4])) * 2**20))
     if len({(name, mem) for _, _, name, mem in rows}) > 1 and order != "PCI_BUS_ID":
         return None
     chosen = rows

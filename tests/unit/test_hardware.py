@@ -169,9 +169,9 @@ def test_bad_calibration_files(tmp_path, content, fragment):
     assert fragment in str(err.value) and str(path) in str(err.value)
 
 
-SMI = """0, GPU-aaaa1111, NVIDIA H200, 143771, Disabled
-1, GPU-bbbb2222, NVIDIA H200, 143771, Disabled
-2, GPU-cccc3333, NVIDIA H200, 143771, Disabled
+SMI = """0, GPU-aaaa1111, NVIDIA H200, 143771, 616, Disabled
+1, GPU-bbbb2222, NVIDIA H200, 143771, 616, Disabled
+2, GPU-cccc3333, NVIDIA H200, 143771, 616, Disabled
 """
 
 
@@ -189,18 +189,19 @@ def test_nvidia_smi_rows_as_cuda_shows_them(visible, expected):
 
     gpus = visible_from_smi(SMI, visible, None)
     assert len(gpus) == expected
-    assert all(g.name == "NVIDIA H200" and g.memory_bytes == 143771 * 2**20 for g in gpus)
+    assert all(g.name == "NVIDIA H200" and g.memory_bytes == (143771 - 616) * 2**20 for g in gpus)
 
 
 def test_what_only_cuda_can_say_is_left_to_torch():
     from shardtune.launch import visible_from_smi
 
-    assert visible_from_smi(SMI.replace("1, GPU-bbbb2222, NVIDIA H200, 143771, Disabled",
-                                        "1, GPU-bbbb2222, NVIDIA H200, 143771, Enabled"), None, None) is None  # MIG
+    mig = SMI.replace("bbbb2222, NVIDIA H200, 143771, 616, Disabled", "bbbb2222, NVIDIA H200, 143771, 616, Enabled")
+    assert visible_from_smi(mig, None, None) is None  # nvidia-smi gives the whole GPU's memory, not the slice's
     mixed = SMI.replace("2, GPU-cccc3333, NVIDIA H200, 143771", "2, GPU-cccc3333, NVIDIA A100-SXM4-80GB, 81920")
     assert visible_from_smi(mixed, "2", None) is None  # CUDA's fastest-first order need not be nvidia-smi's
     assert visible_from_smi(mixed, "2", "PCI_BUS_ID")[0].name == "NVIDIA A100-SXM4-80GB"
     assert visible_from_smi("No devices were found\n", None, None) is None
+    assert visible_from_smi(SMI.replace(", 616,", ", [N/A],"), None, None) is None  # a driver without the field
 
 
 def test_no_driver_means_no_gpu_without_asking_torch(monkeypatch):
@@ -219,7 +220,7 @@ def test_a_gpu_node_is_detected_through_nvidia_smi_without_torch(tmp_path):
     import sys
 
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nprintf '0, GPU-aaaa1111, NVIDIA H200, 143771, Disabled\\n'\n")
+    smi.write_text("#!/bin/sh\nprintf '0, GPU-aaaa1111, NVIDIA H200, 143771, 616, Disabled\\n'\n")
     smi.chmod(0o755)
     ctl = tmp_path / "nvidiactl"
     ctl.touch()
@@ -229,4 +230,4 @@ def test_a_gpu_node_is_detected_through_nvidia_smi_without_torch(tmp_path):
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.split() == ["h200", "1", "143771", "False"]
+    assert out.split() == ["h200", "1", "143155", "False"]
