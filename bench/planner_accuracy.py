@@ -2,6 +2,7 @@
 
     python3 bench/planner_accuracy.py --matrix a --out $OUT      (device; .whl installed on PYTHONPATH)
     python3 bench/planner_accuracy.py --matrix tiny --out /tmp/pa (CPU plumbing check)
+    python3 bench/planner_accuracy.py --pick 1b-s4096,8b-lora --out $OUT   (the pick: see PICKS)
 
 Each row runs `python3 -m shardtune train bench/bench.yaml ...` (random-init shape, long random text so every
 row is full, log every 2 steps, --force so a run the planner refuses is still measured), then reads the run's
@@ -121,6 +122,66 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
+# Pick scenarios (--pick): a job with strategy and micro-batch left to `auto`; the planner's pick is run next to
+# the best candidate of another (backend, offload, checkpointing) family and the pick's own family one micro-batch
+# size down, and the pick is right when it measures fastest. A knob a scenario sets is kept by every row.
+PICKS: dict[str, list[str]] = {
+    "1b-s4096": [*ONE_B, "train.seq_len=4096"],
+    "1b-compile": [*ONE_B, "parallel.compile=true"],
+    "1b-8bit": [*ONE_B, "optim.name=adamw8bit"],
+    "1b-deepspeed": [*ONE_B, "parallel.backend=deepspeed"],
+    "1b-ac-full": [*ONE_B, "parallel.activation_checkpointing=full"],
+    "8b-lora": [*EIGHT_B, "peft.method=lora"],
+    "8b-qlora": [*EIGHT_B, "peft.method=qlora"],
+}
+KNOBS = ("backend", "strategy", "offload", "activation_checkpointing", "micro_batch_size")
+FAMILY = ("backend", "offload", "activation_checkpointing")
+
+
+def pick_rows(scenario: str, overrides: list[str], data: Path) -> list[tuple[str, str, list[str]]]:
+    """(name, scenario, overrides) of the pick and its alternatives, from `shardtune plan --json` on this GPU."""
+    cmd = [sys.executable, "-m", "shardtune", "plan", str(ROOT / "bench/bench.yaml"), f"data.train_file={data}",
+           *overrides, "parallel.strategy=auto", "train.micro_batch_size=auto", "--json"]
+    plan = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    pick = plan["pick"]
+    if pick is None:
+        return []
+    fixed = {k.split("=")[0].split(".")[-1]: k.split("=")[1] for k in overrides if k.startswith("parallel.")}
+    usable = sorted((c for c in plan["candidates"] if c["fits"] and c["fits_host"]
+                     and all(str(c.get(k, v)) == v for k, v in fixed.items())),
+                    key=lambda c: -c["tokens_per_sec_per_gpu"])
+    other = next((c for c in usable if any(c[k] != pick[k] for k in FAMILY)), None)
+    smaller = next((c for c in usable if all(c[k] == pick[k] for k in KNOBS[:-1])
+                    and c["micro_batch_size"] < pick["micro_batch_size"]), None)
+    rows = []
+    for role, c in (("pick", pick), ("alt", other), ("alt-mb", smaller)):
+        if c is not None:
+            knobs = [f"parallel.{k}={c[k]}" for k in KNOBS[:-1]] + [f"train.micro_batch_size={c['micro_batch_size']}"]
+            name = f"{scenario}-{role}-{c['backend']}-{c['strategy']}-{c['offload']}-{c['activation_checkpointing']}" \
+                   f"-mb{c['micro_batch_size']}"
+            rows.append((name, f"pick-{scenario}", [*overrides, *knobs]))
+    return rows
+
+
+def pick_table(results: list[dict]) -> list[str]:
+    lines = ["| scenario | pick (pred tok/s) | measured tok/s: pick / alternatives | pick fastest? |",
+             "|---|---|---|---|"]
+    for scenario in dict.fromkeys(r["scenario"] for r in results if r["scenario"].startswith("pick-")):
+        rows = [r for r in results if r["scenario"] == scenario]
+        pick = next((r for r in rows if "-pick-" in r["name"]), None)
+        if pick is None or "meas_tps" not in pick:
+            lines.append(f"| {scenario} | {pick and pick['name']} | pick not measured (rc {pick and pick['rc']}) | – |")
+            continue
+        alts = [r for r in rows if r is not pick and "meas_tps" in r]
+        best = max([pick, *alts], key=lambda r: r["meas_tps"])
+        alt_text = "; ".join(f"{r['name'].split('-alt', 1)[1]} {r['meas_tps']:,.0f} (pred {r['pred_tps']:,.0f})"
+                             for r in alts) or "none measured"
+        verdict = "yes" if best is pick else f"no ({best['meas_tps'] / pick['meas_tps'] - 1:+.1%})"
+        lines.append(f"| {scenario} | {pick['name'].split('-pick-', 1)[1]} ({pick['pred_tps']:,.0f}) | "
+                     f"{pick['meas_tps']:,.0f} / {alt_text} | {verdict} |")
+    return lines
+
+
 def _tree_rss(root: int) -> int:
     """Sum of VmRSS (bytes) over `root` and its descendants (torchrun's workers start sessions of their own)."""
     parent, rss = {}, {}
@@ -216,16 +277,21 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--budget", type=int, default=540, help="seconds for all runs; later rows are skipped")
+    ap.add_argument("--pick", default=None, help="comma list of PICKS scenarios to run instead of a matrix")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    every = {n: (n, s, o) for rows in MATRICES.values() for n, s, o in rows}
-    rows = MATRICES.get(args.matrix) or [every[n] for n in args.matrix.split(",")]
     data = Path(args.work) / "long.jsonl"
     data.parent.mkdir(parents=True, exist_ok=True)
     if not data.exists():
         subprocess.run([sys.executable, str(ROOT / "bench/make_long_text.py"), str(data), "--n", "400", "--chars",
                         "4300", "--min-tokens", "4097"], check=True)
+    if args.pick:
+        rows = [row for name in args.pick.split(",") for row in pick_rows(name, PICKS[name], data)]
+        print("\n".join(f"{n}: {' '.join(o)}" for n, _, o in rows), flush=True)
+    else:
+        every = {n: (n, s, o) for rows in MATRICES.values() for n, s, o in rows}
+        rows = MATRICES.get(args.matrix) or [every[n] for n in args.matrix.split(",")]
     start, results = time.time(), []
     with open(out / "logs.txt", "a") as log, open(out / "results.jsonl", "a") as res:
         for name, scenario, overrides in rows:
@@ -239,7 +305,7 @@ def main() -> int:
             res.write(json.dumps(row) + "\n")
             res.flush()
             print(json.dumps({k: v for k, v in row.items() if k not in ("terms", "time_terms")}), flush=True)
-    lines = table(results)
+    lines = [*table(results), "", *pick_table(results)] if args.pick else table(results)
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -270,14 +270,24 @@ def test_compiled_blocks_take_the_mask_without_graph_breaks_or_recompiles(models
     counters.clear()
     for block in model.model.layers:
         block.compile(backend="aot_eager")
+    def run(batch, want):
+        with torch.set_grad_enabled(train):
+            logits = _logits(model, impl, batch)
+            if train:
+                token_loss_sum(logits, batch.labels).backward()
+        torch.testing.assert_close(logits.detach(), want, atol=1e-5, rtol=1e-5)
+
     try:
-        for batch, want in zip(batches, expected, strict=True):
-            with torch.set_grad_enabled(train):
-                logits = _logits(model, impl, batch)
-                if train:
-                    token_loss_sum(logits, batch.labels).backward()
-            torch.testing.assert_close(logits.detach(), want, atol=1e-5, rtol=1e-5)
+        # The first layout twice: transformers >= 5.25's `kernels` hub wrapper (a context variable read inside the
+        # attention forward) costs one recompile on the second call whatever the batch; then the graphs are warm.
+        run(batches[0], expected[0])
+        run(batches[0], expected[0])
         assert not counters["graph_break"], dict(counters["graph_break"])
-        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one block graph, no recompiles
+        warm = counters["stats"]["unique_graphs"]
+        assert 1 <= warm <= 2, dict(counters["stats"])
+        for batch, want in zip(batches, expected, strict=True):  # other document layouts: no new graph
+            run(batch, want)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == warm, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
