@@ -300,7 +300,7 @@ def main() -> int:
                 print(f"skip {name}: budget", flush=True)
                 continue
             args.timeout = min(args.timeout, int(left))
-            row = {"scenario": scenario, **run_one(name, overrides, args, data, log)}
+            row = {"scenario": scenario, **run_one(name, overrides, args, data, log), "overrides": overrides}
             results.append(row)
             res.write(json.dumps(row) + "\n")
             res.flush()

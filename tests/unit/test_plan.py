@@ -23,6 +23,7 @@ from shardtune.plan.memory import (
     gpu_memory,
     logits_bytes,
     model_states,
+    selective_bytes_per_token_layer,
 )
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape, model_shape
@@ -176,6 +177,48 @@ def test_activation_formula_matches_autograds_saved_tensors() -> None:
     measured = sum(saved.values()) / (batch * seq)
     predicted = activation_bytes_per_token_layer(model_shape(cfg), Setting(micro_batch_size=batch, seq_len=seq))
     assert measured == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.parametrize("peft_method", ["none", "lora"])
+def test_selective_formula_matches_what_the_policy_saves(peft_method: str) -> None:
+    """The selective policy (parallel/prepare.py) run on a real block, with PEFT's LoRA layers on all seven
+    projections or without: the bytes of the outputs it marks to save (each matmul's from its operands' shapes,
+    the attention kernel's output and log-sum-exp), plus the block input the checkpoint keeps, per token."""
+    from peft import LoraConfig, get_peft_model
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.parallel.prepare import SAVED_OPS, selective_policy
+
+    cfg = preset_config("tiny-llama")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if peft_method == "lora":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets)).base_model.model
+    block = model.model.layers[0]
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(seq)[None].expand(batch, seq)
+    cos, sin = model.model.rotary_emb(x, pos)
+    inner, saved = selective_policy({"forward": 0, "recompute": 0}), [0]
+
+    def recording(ctx, func, *args, **kwargs):
+        decision = inner(ctx, func, *args, **kwargs)
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            if func == torch.ops.aten.mm.default:
+                saved[0] += args[0].shape[0] * args[1].shape[1] * 2
+            elif func in SAVED_OPS:  # (b, heads, s, d) query: output of its size, fp32 log-sum-exp per head
+                b, a, s_, d = args[0].shape
+                saved[0] += b * a * s_ * (d * 2 + 4)
+        return decision
+
+    checkpoint(block, x, position_embeddings=(cos, sin), position_ids=pos, attention_mask=None, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(recording))
+    measured = saved[0] / (batch * seq) + 2 * cfg.hidden_size  # + the block input the checkpoint keeps
+    shape = model_shape(cfg, None if peft_method == "lora" else [], lora_r=4)
+    predicted = selective_bytes_per_token_layer(shape, Setting(micro_batch_size=batch, seq_len=seq, peft=peft_method))
+    lora_a = 3 * 4 * 2 if peft_method == "lora" else 0  # three r-wide A outputs, left out of the formula
+    assert measured == pytest.approx(predicted + lora_a, rel=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])

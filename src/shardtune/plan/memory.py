@@ -116,12 +116,28 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     return m.layers * per_layer, 0.0
 
 
+# A Llama-style block's linear layers in the order its forward calls them.
+_BLOCK_MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def selective_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     """Selective checkpointing (parallel/prepare.py) keeps, per token and block: the block's input (ph), the
-    outputs of the q, v, gate and down projections (p(h + k + f + h)), the attention kernel's output (ph) and
-    its log-sum-exp (4 bytes per head): p(4h + k + f) + 4a."""
-    p = s.compute_bytes
-    return float(p * (4 * m.hidden + m.kv_dim + m.ffn) + 4 * m.heads)
+    attention kernel's output (ph) and log-sum-exp (4 bytes per head), and the output of every other matmul in
+    the order the forward runs them. Without adapters that is q, v, gate and down (p(h + k + f + h)), so
+    p(4h + k + f) + 4a. With LoRA each adapted layer runs three matmuls (the base, A, B), which shifts the
+    count: on all seven projections the saved ones are q, q's B, v, v's B, gate, gate's B, down, down's B and
+    three r-wide A outputs (left out: r << h), p(6h + 2k + 2f) + 4a. The 8B LoRA + selective row on record
+    (bench/RESULTS.md 2026-12-02) was 6.4 GiB above the count without the adapters' matmuls; these add 5.75."""
+    p, h, k, f = s.compute_bytes, m.hidden, m.kv_dim, m.ffn
+    width = {"q_proj": h, "k_proj": k, "v_proj": k, "o_proj": h, "gate_proj": f, "up_proj": f, "down_proj": h}
+    adapted = set(m.adapted) if s.peft != "none" else set()
+    if not adapted <= set(width):
+        adapted = set()  # another layout (gpt2's c_attn ...): counted as without adapters
+    outputs: list[int] = []  # the width of each matmul's output, in order (A's r-wide output as 0)
+    for name in _BLOCK_MATMULS:
+        outputs += [width[name], 0, width[name]] if name in adapted else [width[name]]
+    kept = sum(outputs[0::2])  # the 1st, 3rd, ... matmul
+    return float(p * (2 * h + kept) + 4 * m.heads)
 
 
 def _first_gradients_share(m: ModelShape, s: Setting) -> float:
@@ -215,10 +231,16 @@ def gathered_parameters(m: ModelShape, s: Setting) -> float:
     p = s.compute_bytes
     if s.backend == "fsdp2" and s.param_shards() == 1 and s.strategy != "ddp" and s.peft != "none" and \
             s.frozen_bytes == p:
-        # Measured on one H200 (8B LoRA and 8B / 70B QLoRA): without Liger nothing gathered at the peak; with
-        # its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B shape) are alive
-        # at it (log.memory_snapshot of 8B LoRA / QLoRA + Liger, bench/RESULTS.md 2026-12-02, third session).
-        return float(m.root_params * p) if s.fused_loss_runs else 0.0
+        # Measured on one H200 (8B LoRA and 8B / 70B QLoRA, zero3): without Liger nothing gathered at the peak;
+        # with its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B shape) are
+        # alive at it (log.memory_snapshot of 8B LoRA / QLoRA + Liger, bench/RESULTS.md 2026-12-02, third
+        # session). zero2 keeps each block's gathered frozen base from its forward to its backward: 8B LoRA
+        # zero2 measured 13.1 GiB above this count without it (micro-batch 2; the blocks' bf16 base is 13.0 GiB,
+        # bench/RESULTS.md 2026-12-04). NF4 blocks are not gathered (FSDP2 ignores them).
+        root = float(m.root_params * p) if s.fused_loss_runs else 0.0
+        if s.strategy == "zero2" and s.peft != "qlora":
+            return root + (m.params - m.root_params) * p
+        return root
     if s.peft == "qlora":
         # Each NF4 linear is dequantised into one compute-dtype weight at a time; the largest is the MLP's.
         largest = m.hidden * m.ffn

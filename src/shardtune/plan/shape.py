@@ -36,6 +36,7 @@ class ModelShape:
     vocab: int
     target_params: int  # weights of the linear layers LoRA adapts (all blocks)
     lora_params: int  # LoRA A + B elements at the planned rank (all blocks)
+    adapted: tuple[str, ...] = ()  # the block's linear layers LoRA adapts, by name (q_proj, ...), in module order
 
     @property
     def root_params(self) -> int:
@@ -92,16 +93,17 @@ def _counted(hf_config: Any, layout: BlockLayout, lora_targets: list[str] | str,
     qk_norm = {"head": 2 * head_dim, "full": q + kv}.get(layout.qk_norm, 0)
     block_params = sum(i * o + (o if bias else 0) for i, o, bias in linears.values()) + qk_norm + layout.norms * h
     target_params = lora_params = 0
-    for name, (i, o, _) in linears.items():
-        if lora_targets == "all-linear" or name in lora_targets:
-            target_params += layers * i * o
-            lora_params += layers * lora_r * (i + o)
+    adapted = tuple(name for name in linears if lora_targets == "all-linear" or name in lora_targets)
+    for name in adapted:
+        i, o, _ = linears[name]
+        target_params += layers * i * o
+        lora_params += layers * lora_r * (i + o)
     embed_params = vocab * h
     head_params = 0 if getattr(hf_config, "tie_word_embeddings", False) else vocab * h
     params = layers * block_params + embed_params + h + head_params
     return ModelShape(model_type=hf_config.model_type, params=params, layers=layers, block_params=block_params,
                       embed_params=embed_params, head_params=head_params, hidden=h, ffn=f, heads=heads,
-                      kv_dim=kv, vocab=vocab, target_params=target_params, lora_params=lora_params)
+                      kv_dim=kv, vocab=vocab, target_params=target_params, lora_params=lora_params, adapted=adapted)
 
 
 def _built(hf_config: Any, lora_targets: list[str] | str, lora_r: int) -> ModelShape:
@@ -121,7 +123,8 @@ def _built(hf_config: Any, lora_targets: list[str] | str, lora_r: int) -> ModelS
     tied = head is not None and embed is not None and head.weight is embed.weight
     head_params = 0 if tied or head is None else head.weight.numel()
     target_params = lora_params = 0
-    for block in blocks:
+    adapted: list[str] = []
+    for index, block in enumerate(blocks):
         for name, module in block.named_modules():
             if not isinstance(module, nn.Linear):
                 continue
@@ -129,6 +132,8 @@ def _built(hf_config: Any, lora_targets: list[str] | str, lora_r: int) -> ModelS
                 continue
             target_params += module.weight.numel()
             lora_params += lora_r * (module.in_features + module.out_features)
+            if index == 0:
+                adapted.append(name.rsplit(".", 1)[-1])
     hidden = _width(hf_config, "hidden_size", "n_embd", "d_model")
     heads = _width(hf_config, "num_attention_heads", "n_head")
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
@@ -137,4 +142,5 @@ def _built(hf_config: Any, lora_targets: list[str] | str, lora_r: int) -> ModelS
     vocab = _width(hf_config, "vocab_size")
     return ModelShape(model_type=hf_config.model_type, params=params, layers=len(blocks), block_params=block_params,
                       embed_params=embed_params, head_params=head_params, hidden=hidden, ffn=ffn, heads=heads,
-                      kv_dim=kv_heads * head_dim, vocab=vocab, target_params=target_params, lora_params=lora_params)
+                      kv_dim=kv_heads * head_dim, vocab=vocab, target_params=target_params, lora_params=lora_params,
+                      adapted=tuple(adapted))
