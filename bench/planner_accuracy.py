@@ -113,6 +113,15 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                          "parallel.activation_checkpointing=full",
                                                          "model.liger=loss"]),
     ],
+    # 2026-12-04, after the planner learned LoRA zero2's gathered base and the adapters' matmuls under selective
+    # checkpointing: rows neither change was fitted on.
+    "g": [
+        ("8b-qlora-mb4-sel", "8b-qlora-sel", [*EIGHT_B, "peft.method=qlora", "parallel.strategy=zero3",
+                                              "train.micro_batch_size=4",
+                                              "parallel.activation_checkpointing=selective"]),
+        ("8b-lora-zero3-mb2", "8b-lora-noac", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
+                                               "train.micro_batch_size=2"]),
+    ],
     "tiny": [
         ("tiny-zero2", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero2", "train.micro_batch_size=2",
                                 "train.seq_len=256"]),
