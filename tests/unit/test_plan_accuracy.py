@@ -37,7 +37,11 @@ KNOWN_MISSES = {"8b-qlora-mb2-ac-compile-liger": 0.08, "1b-ddp-mb4-compile-liger
 SPEED_MISSES = {("16", "1b-zero2-mb2"): 0.20, ("16", "1b-ds-zero3-mb4"): 0.30, ("20", "8b-lora-mb2-sel-liger"): 0.31,
                 ("32", "1b-8bit-alt-fsdp2-zero2-none-selective-mb16"): 0.17,
                 ("32", "1b-8bit-alt-mb-fsdp2-zero2-none-none-mb8"): 0.23,
-                ("33", "8b-qlora-alt-mb-fsdp2-zero2-none-none-mb2"): 0.21}
+                ("33", "8b-qlora-alt-mb-fsdp2-zero2-none-none-mb2"): 0.21,
+                # Selective checkpointing with PEFT runs 20-30% under the prediction (8B LoRA 2026-12-02, 8B QLoRA
+                # 2026-12-04, spread 7,560-9,281): the per-op policy is Python called for every op of the many
+                # small ones an adapted block runs; not in the time model yet.
+                ("34", "8b-qlora-mb4-sel"): 0.21}
 
 
 def _matrix() -> dict[str, list[str]]:
