@@ -35,6 +35,13 @@ class ModelConfig(_Section):
                            "the fused loss only under parallel.compile (Inductor fuses the rest), else all.")
     trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (config.json "
                                                        "auto_map) with your permissions; only for code you have read.")
+    max_position_embeddings: int | None = Field(
+        None, gt=0, description="The model's positions for this run (e.g. 131072 to train long sequences); pair a "
+                                "raise with model.rope_scaling. An exported full model's config.json carries both; "
+                                "an adapter's base model needs them set where it is loaded.")
+    rope_scaling: dict[str, Any] | None = Field(
+        None, description="RoPE scaling for this run, as transformers' rope_scaling: {rope_type: llama3 | linear | "
+                          "dynamic | yarn, factor: 8.0, ...}; replaces the model's scaling, keeps its rope_theta.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

@@ -29,7 +29,8 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_pos and cfg.train.seq_len > max_pos:
         raise ShardtuneError(f"train.seq_len: {cfg.train.seq_len} exceeds the model's max_position_embeddings "
-                             f"({max_pos}); set train.seq_len <= {max_pos}")
+                             f"({max_pos}); set train.seq_len <= {max_pos}, or raise the positions with "
+                             f"model.max_position_embeddings={cfg.train.seq_len} and a model.rope_scaling")
     paths = [("data.train_file", cfg.data.train_file), ("data.eval_file", cfg.data.eval_file),
              *((f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources))]
     for key, path in paths:

@@ -34,7 +34,37 @@ def load_hf_config(mcfg: ModelConfig) -> Any:
                                  "model directory, or create one with `shardtune init-model DIR --preset tiny-llama`")
         cfg = read_hf_config(path, trust_remote_code=mcfg.trust_remote_code, key="model.path")
     check_causal_lm(cfg)
-    return cfg
+    return with_positions(cfg, mcfg.max_position_embeddings, mcfg.rope_scaling)
+
+
+def with_positions(cfg: Any, max_positions: int | None, rope_scaling: dict[str, Any] | None) -> Any:
+    """The config with model.max_position_embeddings / model.rope_scaling applied, rebuilt through its class so
+    transformers checks the RoPE settings. The scaling replaces the model's (its keys belong to its rope_type);
+    the model's rope_theta stays. (Passing rope_scaling alone to transformers 5 drops rope_theta.)"""
+    if max_positions is None and rope_scaling is None:
+        return cfg
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise ShardtuneError(f"model.rope_scaling: rope_type {kind!r} is not one transformers has; choose one of "
+                             f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    values = cfg.to_dict()
+    rope = dict(values.pop("rope_parameters", None) or values.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or values.get("rope_theta")
+    if rope_scaling is not None:
+        rope = dict(rope_scaling)
+    values.update(rope_scaling=rope or None, rope_theta=theta)
+    if max_positions is not None:
+        values["max_position_embeddings"] = max_positions
+    try:
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    except (ValueError, KeyError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ShardtuneError(f"model.rope_scaling: transformers refuses {rope_scaling}: {first}; give the keys "
+                             "of its rope_type, e.g. {rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, "
+                             "high_freq_factor: 4.0, original_max_position_embeddings: 8192}") from None
 
 
 TRUST_HINT = ("shardtune never runs a model folder's code unless model.trust_remote_code=true, which runs it with "

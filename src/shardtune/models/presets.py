@@ -31,6 +31,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
                        rms_norm_eps=1e-5, initializer_range=0.02),
+    # Llama-3.1-8B shape: Llama-3-8B's weights shapes with 131,072 positions through Llama 3.1's RoPE scaling
+    # (long-context training).
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         tie_word_embeddings=False, rms_norm_eps=1e-5, initializer_range=0.02),
     # Llama-3-70B shape (70.6 B parameters): QLoRA on one H200, full fine-tuning on 8.
     "llama-3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                         num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
