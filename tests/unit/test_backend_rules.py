@@ -27,7 +27,10 @@ def _allowed(key: str) -> set[str]:
     among what the backends support)."""
     section, name = key.split(".")
     model = type(getattr(_cfg(), section))
-    return set(typing.get_args(model.model_fields[name].annotation)) - {"auto"}
+    annotation = model.model_fields[name].annotation
+    if annotation is bool:  # SUPPORT_KEYS reads a switch as "true" / "false"
+        return {"false", "true"}
+    return set(typing.get_args(annotation)) - {"auto"}
 
 
 def test_backends_are_the_config_choices():

@@ -50,6 +50,7 @@ SUPPORTS = {
     "peft.method": ("none", "lora", "qlora"),
     "optim.name": ("adamw", "adamw8bit"),
     "train.precision": ("fp32", "bf16", "fp16"),
+    "parallel.activation_offload": ("false", "true"),
 }
 REFUSALS = {
     ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
@@ -72,6 +73,14 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
     if world is not None and p.strategy == "hsdp":
         hsdp_shard_size(p, world, world)
+    if p.activation_offload and p.strategy == "ddp":
+        raise ShardtuneError("parallel.activation_offload: true with parallel.strategy=ddp would move autocast's "
+                             "compute-dtype copies of the weights with the activations; set parallel.strategy=zero2 "
+                             "or zero3 (one GPU runs them as fast), or parallel.activation_offload=false")
+    if p.activation_offload and p.compile:
+        raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true is not built yet (the "
+                             "offload hooks would run inside the compiled blocks); set parallel.compile=false, or "
+                             "parallel.activation_offload=false")
 
 
 def describe(cfg: Config, world: int) -> str:

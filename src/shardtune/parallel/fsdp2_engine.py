@@ -32,7 +32,7 @@ from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.weights import WeightSource, load_weights
 from shardtune.parallel.base import DTYPES, LossFn, OptimizerFactory
 from shardtune.parallel.fsdp2 import hsdp_shard_size, uses_sharded_scaler
-from shardtune.parallel.prepare import checkpoint_and_compile
+from shardtune.parallel.prepare import ActivationOffload, checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
 
 if TYPE_CHECKING:
@@ -71,12 +71,13 @@ class FSDP2Backend:
         # The model's forward computes the summed loss itself when given labels (models/liger.py's fused linear +
         # cross-entropy): inside the root forward, so FSDP2 has gathered the LM head for it.
         self.fused_loss = False
+        self.activation_offload: ActivationOffload | None = None  # parallel.activation_offload's hooks
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
               make_optimizer: OptimizerFactory) -> None:
         self.attn_implementation = attn_implementation(model)
-        checkpoint_and_compile(model, blocks, self.parallel)
+        self.activation_offload = checkpoint_and_compile(model, blocks, self.parallel, self.ctx.device.type)
         if self.parallel.strategy == "ddp":
             self._setup_ddp(model, weights)
         else:

@@ -61,7 +61,54 @@ def checkpoint_kwargs(mode: str) -> dict[str, Any]:
     return kwargs
 
 
-def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig) -> None:
+# Saved tensors below this size stay on the device: their copies would cost more in latency than they free.
+OFFLOAD_MIN_BYTES = 1 << 20
+
+
+class ActivationOffload(torch.autograd.graph.save_on_cpu):
+    """torch's save_on_cpu (a saved tensor copied to host memory in forward, pinned on GPUs, and back in
+    backward) for activations only: parameters and their views (FSDP2's gathered weights, transposed, that a
+    matmul saves) and tensors under
+    OFFLOAD_MIN_BYTES stay where they are. `moved_bytes` counts what went to the host (per micro-batch: the
+    caller resets it)."""
+
+    def __init__(self, device_type: str, min_bytes: int = OFFLOAD_MIN_BYTES) -> None:
+        super().__init__(pin_memory=device_type == "cuda", device_type=device_type)
+        self.moved_bytes = 0
+        copy_out, copy_in = self.pack_hook, self.unpack_hook
+
+        def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
+            size = tensor.numel() * tensor.element_size()
+            if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or size < min_bytes:
+                return False, tensor
+            self.moved_bytes += size
+            return True, copy_out(tensor)
+
+        def unpack(packed: tuple[bool, Any]) -> torch.Tensor:
+            moved, value = packed
+            return copy_in(value) if moved else value
+
+        self.pack_hook, self.unpack_hook = pack, unpack
+
+
+def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: str,
+                        min_bytes: int = OFFLOAD_MIN_BYTES) -> ActivationOffload:
+    """parallel.activation_offload: the offload hooks are on while the decoder (the module holding the blocks)
+    runs its forward, so the blocks' saved tensors go to the host, and with full checkpointing the blocks'
+    inputs, which non-reentrant checkpointing saves through autograd before its own hooks take over. The LM
+    head and the loss stay outside: their tensors are needed at once in backward (the logits are the largest)."""
+    decoder = next(m for m in model.modules()
+                   if any(isinstance(c, nn.ModuleList) and any(b is blocks[0] for b in c) for c in m.children()))
+    offload = ActivationOffload(device_type, min_bytes)
+    decoder.register_forward_pre_hook(lambda *_: offload.__enter__())
+    decoder.register_forward_hook(lambda *_: offload.__exit__(None, None, None), always_call=True)
+    return offload
+
+
+def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
+                           device_type: str = "cpu") -> ActivationOffload | None:
+    """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned)."""
+    offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
     if parallel.activation_checkpointing != "none":
         kwargs = checkpoint_kwargs(parallel.activation_checkpointing)
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -71,3 +118,4 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     if parallel.compile:
         for block in blocks:
             block.compile()
+    return offload

@@ -21,6 +21,7 @@ SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
     "peft.method": lambda cfg: cfg.peft.method,
     "optim.name": lambda cfg: cfg.optim.name,
     "train.precision": lambda cfg: cfg.train.precision,
+    "parallel.activation_offload": lambda cfg: "true" if cfg.parallel.activation_offload else "false",
 }
 
 

@@ -120,6 +120,18 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
 _BLOCK_MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def offloaded_activations(m: ModelShape, s: Setting) -> float:
+    """Bytes parallel.activation_offload keeps on the host instead of the GPU, per micro-batch
+    (parallel/prepare.py): the blocks' inputs under full or selective checkpointing (non-reentrant checkpointing
+    saves them through autograd, where the offload hooks see them; selective's saved outputs stay in its own
+    cache on the GPU); without checkpointing everything the blocks save."""
+    if not s.activation_offload:
+        return 0.0
+    if s.activation_checkpointing == "none":
+        return activations(m, s)[0]
+    return float(m.layers * s.compute_bytes * m.hidden * s.tokens)
+
+
 def selective_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     """Selective checkpointing (parallel/prepare.py) keeps, per token and block: the block's input (ph), the
     attention kernel's output (ph) and log-sum-exp (4 bytes per head), and the output of every other matmul in
@@ -283,6 +295,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     """Peak allocated, reserved and device total per GPU for one setting, with its terms."""
     states = model_states(m, s)
     saved, recompute = activations(m, s)
+    saved -= offloaded_activations(m, s)
     gathered = gathered_parameters(m, s)
     offloaded = _offloaded(states, s)
     on_gpu = {k: v for k, v in states.items() if k not in offloaded}
@@ -341,6 +354,8 @@ def host_memory(m: ModelShape, s: Setting, states: dict[str, float], offloaded: 
         trainable = m.params if s.peft == "none" else m.lora_params
         moved += (s.compute_bytes + 4.0) * trainable / s.world * s.per_node
         host["offload"] = min(moved, 2 * 5e8 * 4 * s.per_node) if s.nvme else moved
+    if s.activation_offload:
+        host["activations"] = offloaded_activations(m, s) * s.per_node  # pinned copies of one micro-batch's
     if s.async_checkpoint:
         trainable = m.params if s.peft == "none" else m.lora_params
         per_param = 4.0 + (ADAMW8BIT_BYTES if s.optim == "adamw8bit" else 8.0)

@@ -19,6 +19,7 @@ class Setting:
     offload: str = "none"  # none | optimizer | params
     nvme: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
+    activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
     compile: bool = False
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -95,6 +96,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     return Setting(
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
+        activation_offload=p.activation_offload,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.plan.memory import NF4_BYTES
+from shardtune.plan.memory import NF4_BYTES, offloaded_activations
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape
 
@@ -182,16 +182,19 @@ def gather_copy_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
 def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     """DeepSpeed ZeRO-Offload: each rank's fp32 gradients go to the host and its updated compute-dtype
     parameters come back over PCIe, and the node's CPU runs AdamW over the node's partitions (ranks on a
-    node share its cores); NVMe adds reading and writing the states (not modelled beyond the host rate)."""
+    node share its cores); NVMe adds reading and writing the states (not modelled beyond the host rate).
+    parallel.activation_offload copies the offloaded activations out in forward and back in backward, once per
+    micro-batch, not overlapped with compute (torch's save_on_cpu)."""
+    activations = 2 * offloaded_activations(m, s) * s.grad_accum / hw.h2d_bytes_per_s
     if s.offload == "none":
-        return 0.0
+        return activations
     trainable = m.params if s.peft == "none" else m.lora_params
     share = trainable / s.world
     pcie = share * (4 + s.compute_bytes) / hw.h2d_bytes_per_s
     if s.offload == "params":
         pcie += 2 * share * s.compute_bytes * s.world / hw.h2d_bytes_per_s * s.grad_accum  # gathers from host
     adam = share * s.per_node / hw.host_adam_params_per_s
-    return pcie + adam
+    return pcie + adam + activations
 
 
 def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:

@@ -1,0 +1,126 @@
+"""parallel.activation_offload: the decoder's saved tensors go through torch's save_on_cpu hooks (on CPU the copy
+is to the same memory, so this checks the wiring and what moves, not the bytes freed, which need a GPU): the loss
+and gradients of the run without it, every block input moved under full checkpointing and no parameter, the LM
+head's tensors left alone; the planner's host term and copy time; the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ROOT
+
+from shardtune.config import load_config
+from shardtune.errors import ShardtuneError
+from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
+from shardtune.models.presets import preset_config
+from shardtune.parallel import check_combination, prepare
+from shardtune.plan.hardware import lookup
+from shardtune.plan.memory import GIB, gpu_memory, offloaded_activations
+from shardtune.plan.setting import Setting
+from shardtune.plan.shape import model_shape
+from shardtune.plan.speed import offload_seconds
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+
+
+def _model(checkpointing: str, offload: bool):
+    cfg = load_config(TINY, [f"parallel.activation_checkpointing={checkpointing}"])
+    model = build_on_meta(load_hf_config(cfg.model), "sdpa").to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    restore_buffers(model, torch.device("cpu"))
+    model.train()
+    blocks = list(model.model.layers)
+    hooks = prepare.offload_activations(model, blocks, "cpu", min_bytes=0) if offload else None
+    prepare.checkpoint_and_compile(model, blocks, cfg.parallel)
+    return model, blocks, hooks
+
+
+def _recording(pack, moved: list):
+    """The offload's pack hook, noting each tensor it moved (its first return value says whether it did)."""
+    def recording_pack(tensor):
+        packed = pack(tensor)
+        if packed[0]:
+            moved.append(tensor)
+        return packed
+
+    return recording_pack
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "none"])
+def test_offload_keeps_the_loss_and_gradients_and_moves_the_block_inputs(checkpointing: str) -> None:
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+    results, inputs, moved = [], [], []
+
+    def record_input(_module, args):
+        inputs.append(args[0].untyped_storage().data_ptr())
+
+    for offload in (False, True):
+        model, blocks, hooks = _model(checkpointing, offload)
+        inputs.clear()
+        for block in blocks:
+            block.register_forward_pre_hook(record_input)
+        if hooks is not None:
+            hooks.pack_hook = _recording(hooks.pack_hook, moved)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_loss, plain_grads), (loss, grads) = results
+    assert loss == plain_loss
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    moved_ptrs = {t.untyped_storage().data_ptr() for t in moved}
+    assert not moved_ptrs & params  # the weights a matmul saves stay where they are
+    if checkpointing == "full":  # each block's input is what full checkpointing keeps: all of them moved
+        assert set(inputs[:len(blocks)]) <= moved_ptrs
+    assert hooks.moved_bytes >= len(blocks) * ids.numel() * model.config.hidden_size * 4
+    logits = ids.numel() * model.config.vocab_size * 4
+    assert all(t.numel() * 4 != logits for t in moved)  # the LM head's output (the logits) is not the decoder's
+
+
+def test_small_tensors_and_the_default_threshold_stay() -> None:
+    model, blocks, _ = _model("full", False)
+    hooks = prepare.offload_activations(model, blocks, "cpu")  # 1 MiB: a tiny model's tensors are all smaller
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert hooks.moved_bytes == 0
+
+
+def test_a_run_with_offload_trains_as_one_without(cli, tmp_path) -> None:
+    """The engine wires it in (FSDP2 on one gloo process): the same losses, step for step."""
+    losses = []
+    for offload in ("false", "true"):
+        out = tmp_path / offload
+        proc = cli("train", TINY, "train.max_steps=3", "log.every=1", "parallel.activation_checkpointing=full",
+                   f"parallel.activation_offload={offload}", "--nproc", "1", "--output-dir", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in records if "loss" in r and not r.get("eval")])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_the_planner_moves_the_block_inputs_to_the_host() -> None:
+    shape = model_shape(preset_config("llama-3.1-8b"))
+    base = Setting(peft="qlora", activation_checkpointing="full", micro_batch_size=1, seq_len=131072, fused_loss=True)
+    on = Setting(**{**base.__dict__, "activation_offload": True})
+    inputs = shape.layers * 2 * shape.hidden * 131072  # bf16 block inputs: 32 GiB
+    assert offloaded_activations(shape, on) == inputs == 32 * GIB
+    plain, moved = gpu_memory(shape, base), gpu_memory(shape, on)
+    assert plain.terms["activations"] - moved.terms["activations"] == pytest.approx(inputs)
+    assert moved.host["activations"] == inputs and "activations" not in plain.host
+    h200 = lookup("h200")
+    assert offload_seconds(shape, on, h200) == pytest.approx(2 * inputs / h200.h2d_bytes_per_s)
+    assert offload_seconds(shape, base, h200) == 0.0
+
+
+def test_offload_is_refused_where_it_does_not_run() -> None:
+    with pytest.raises(ShardtuneError, match=r"activation_offload: true runs on parallel\.backend=fsdp2"):
+        check_combination(load_config(TINY, ["parallel.backend=deepspeed", "parallel.activation_offload=true"]))
+    with pytest.raises(ShardtuneError, match=r"parallel\.compile=false, or parallel\.activation_offload=false"):
+        check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_offload=true"]))
+    with pytest.raises(ShardtuneError, match=r"set parallel\.strategy=zero2 or zero3"):
+        check_combination(load_config(TINY, ["parallel.strategy=ddp", "parallel.activation_offload=true"]))
