@@ -1,0 +1,134 @@
+"""The longest sequence one GPU trains (issue 17): 8B QLoRA, micro-batch 1, one sequence of SEQ tokens per step.
+
+    python3 bench/long_context.py --seqs 131072,327680 --runs offload,plain --steps 2 --out $OUT   (device)
+    python3 bench/long_context.py --preset tiny-llama --seqs 256,512 --steps 2 --out /tmp/lc        (CPU plumbing)
+
+Each run is `python3 -m shardtune train bench/bench.yaml` with the llama-3.1-8b preset (131,072 positions; past
+that, model.max_position_embeddings is raised with the preset's RoPE scaling kept), QLoRA, full activation
+checkpointing, Liger's fused loss (`model.liger=loss`: the logits are never materialised), and one text of at
+least SEQ tokens per step; `offload` adds parallel.activation_offload. `--hf` adds Hugging Face Trainer + PEFT +
+bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora, HF_LIGER=1) at the same lengths. A run that
+fails (out of memory) ends that variant's doubling: the longest length that trained is the result. Prints, last,
+a table of peak memory, tokens/s and the planner's prediction per run; raw logs and rows go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"]}
+
+
+def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, log) -> dict:
+    out = Path(args.work) / f"{variant}-{seq}"
+    positions = [] if seq <= args.positions else [f"model.max_position_embeddings={seq}"]
+    liger = ["model.liger=loss"] if args.preset != "tiny-llama" else []
+    cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench/bench.yaml"), f"model.preset={args.preset}",
+           f"data.train_file={data}", "data.packing=false", f"train.seq_len={seq}", "train.micro_batch_size=1",
+           f"train.max_steps={args.steps}", "log.every=1", "peft.method=qlora", "parallel.strategy=zero3",
+           "parallel.activation_checkpointing=full", *liger, *positions, *VARIANTS[variant],
+           "--output-dir", str(out), "--force"]
+    row = _run(cmd, {}, args.timeout, log, f"shardtune {variant} {seq}")
+    try:
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        plan = json.loads((out / "plan.json").read_text())["chosen"]
+    except (OSError, json.JSONDecodeError, KeyError):
+        return row
+    train = [r for r in records if "tokens_per_sec_per_device" in r and not r.get("eval")]
+    if train:
+        row.update(peak_gib=max(r["peak_mem_gib"] for r in train), steps=train[-1]["step"],
+                   tokens_per_s=train[-1]["tokens_per_sec_per_device"])
+    row.update(pred_gib=plan["memory_gib"]["allocated"], pred_host_gib=plan["host_memory_gib"],
+               pred_tokens_per_s=plan["tokens_per_sec_per_gpu"])
+    return row
+
+
+def hf_run(seq: int, args: argparse.Namespace, log) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench/hf_trainer_baseline.py"), "--mode", "qlora", "--size", "8b", "--seq",
+           str(seq), "--mbs", "1", "--steps", str(args.steps), "--warmup", "1"]
+    row = _run(cmd, {"HF_LIGER": "1"}, args.timeout, log, f"hf {seq}")
+    for line in row.pop("tail", "").splitlines():  # the baseline prints "RESULT {json}" with its numbers
+        if line.startswith("RESULT "):
+            with contextlib.suppress(json.JSONDecodeError):
+                row.update(json.loads(line.removeprefix("RESULT ")))
+    return row
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float, log, label: str) -> dict:
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        rc, text = 124, f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
+    log.write(f"===== {label}: {' '.join(cmd)}\n{text[-8000:]}\n")
+    log.flush()
+    oom = "out of GPU memory" in text or "CUDA out of memory" in text or "OutOfMemoryError" in text
+    return {"rc": rc, "oom": oom, "wall_s": round(time.time() - start, 1), "tail": text[-3000:]}
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="65536,131072,262144,327680")
+    ap.add_argument("--runs", default="offload,plain", help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--hf", action="store_true", help="also Hugging Face Trainer + PEFT + bitsandbytes + Liger")
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--positions", type=int, default=131072, help="the preset's max_position_embeddings")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
+    ap.add_argument("--budget", type=float, default=560.0, help="seconds for everything; later runs are skipped")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/long_context"))
+    ap.add_argument("--work", default="/tmp/long_context_runs")
+    args = ap.parse_args()
+    out, seqs = Path(args.out), [int(s) for s in args.seqs.split(",")]
+    out.mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    data = Path(args.work) / f"text-{max(seqs)}.jsonl"
+    if not data.exists():  # about one token per character with the bundled tokenizer
+        subprocess.run([sys.executable, str(ROOT / "bench/make_long_text.py"), str(data), "--n", "4", "--chars",
+                        str(max(seqs) + 64), "--min-tokens", str(max(seqs) + 1)], check=True)
+    start, rows = time.time(), []
+    plans = [(v, s) for v in args.runs.split(",") for s in seqs] + ([("hf", s) for s in seqs] if args.hf else [])
+    failed: set[str] = set()
+    with open(out / "logs.txt", "a") as log, open(out / "results.jsonl", "a") as res:
+        for variant, seq in plans:
+            if variant in failed:
+                continue  # a shorter length already failed: doubling stops there
+            left = args.budget - (time.time() - start)
+            if left < 60:
+                print(f"skip {variant} {seq}: budget", flush=True)
+                continue
+            args.timeout = min(args.timeout, left)
+            row = hf_run(seq, args, log) if variant == "hf" else shardtune_run(variant, seq, args, data, log)
+            row = {"variant": variant, "seq": seq, **{k: v for k, v in row.items() if k != "tail"}}
+            if row["rc"] != 0:
+                failed.add(variant)
+            rows.append(row)
+            res.write(json.dumps(row) + "\n")
+            res.flush()
+            print(json.dumps(row), flush=True)
+    lines = ["| run | seq | rc | peak GiB (pred) | host GiB pred | tokens/s (pred) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        peak, tps = r.get("peak_gib", r.get("peak_alloc_gib")), r.get("tokens_per_s", r.get("tokens_per_sec"))
+        lines.append(f"| {r['variant']} | {r['seq']:,} | {r['rc']}{' OOM' if r['oom'] else ''} | {_num(peak, 1)} "
+                     f"({r.get('pred_gib', '-')}) | {r.get('pred_host_gib', '-')} | {_num(tps, 0)} "
+                     f"({r.get('pred_tokens_per_s', '-')}) |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
