@@ -204,7 +204,9 @@ def make_plan(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: 
     shape = model_shape(hf_config, targets, cfg.peft.r)
     base = setting_from_config(cfg, world, per_node, liger=liger_applies(cfg, hf_config, hardware))
     mbs = MICRO_BATCHES if "train.micro_batch_size" in auto or all_micro_batches else None
-    host = _host_capacity(hardware)
+    # Host memory per node where it is known (resolve_hardware): the local machine's, or --host-memory. A GPU type
+    # named from the table on another machine (a login node) has an unknown host: not checked.
+    host = float(hardware.host_memory_bytes) if getattr(hardware, "host_memory_bytes", None) else None
     result = search(shape, base, hardware, supported=supported_by(cfg), micro_batches=mbs, host_capacity=host)
     free = free_knobs(cfg)
     if free:
@@ -229,13 +231,6 @@ def liger_applies(cfg: Any, hf_config: Any, hardware: Any) -> bool:
 
 def _only(a: Setting, b: Setting, free: set[str]) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in a.knobs() if k not in free)
-
-
-def _host_capacity(hardware: Any) -> float | None:
-    """Host memory per node where it is known (resolve_hardware): the local machine's, or --host-memory. A GPU
-    type named from the table on another machine (a login node) has an unknown host: not checked."""
-    host = getattr(hardware, "host_memory_bytes", None)
-    return float(host) if host else None
 
 
 def refusal(plan: Plan) -> str | None:
