@@ -617,6 +617,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`shardtune plan CFG | head`): stop quietly, as a tool killed by SIGPIPE does;
+        # stdout goes to devnull so the interpreter's flush at exit does not raise again (Python's docs, signal).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":

@@ -417,3 +417,15 @@ def test_every_option_and_argument_of_every_command_has_help():
             for name, sub in commands.items() for action in sub._actions
             if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()]
     assert bare == []
+
+
+def test_a_closed_pipe_ends_plan_quietly():
+    """`shardtune plan CFG | head -1`: the reader has gone when plan writes; no traceback, SIGPIPE's exit code."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune", "plan", TINY, "--gpu", "h100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before plan has written anything: its writes meet a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
