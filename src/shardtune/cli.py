@@ -446,6 +446,7 @@ def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
         ("strategy", f"{p.strategy}: {describe(cfg, world)}"),
         ("offload", offload),
         ("precision", f"{t.precision}, activation checkpointing {p.activation_checkpointing}"
+                      + (", saved activations in host memory" if p.activation_offload else "")
                       + (", compile" if p.compile else "")),
         ("processes", f"{world} per node"),
         ("batch", f"{global_batch} sequences x {t.seq_len} tokens per step ({t.micro_batch_size} per process x "

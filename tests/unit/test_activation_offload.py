@@ -124,3 +124,9 @@ def test_offload_is_refused_where_it_does_not_run() -> None:
         check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_offload=true"]))
     with pytest.raises(ShardtuneError, match=r"set parallel\.strategy=zero2 or zero3"):
         check_combination(load_config(TINY, ["parallel.strategy=ddp", "parallel.activation_offload=true"]))
+
+
+def test_plan_says_where_the_activations_are(cli) -> None:
+    proc = cli("plan", TINY, "parallel.activation_checkpointing=full", "parallel.activation_offload=true", "--gpu",
+               "h100")
+    assert proc.returncode == 0 and "checkpointing full, saved activations in host memory" in proc.stdout
