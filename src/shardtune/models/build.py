@@ -43,7 +43,6 @@ def with_positions(cfg: Any, max_positions: int | None, rope_scaling: dict[str, 
     the model's rope_theta stays. (Passing rope_scaling alone to transformers 5 drops rope_theta.)"""
     if max_positions is None and rope_scaling is None:
         return cfg
-    from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
@@ -58,8 +57,9 @@ def with_positions(cfg: Any, max_positions: int | None, rope_scaling: dict[str, 
     values.update(rope_scaling=rope or None, rope_theta=theta)
     if max_positions is not None:
         values["max_position_embeddings"] = max_positions
+    values.pop("model_type", None)
     try:
-        return AutoConfig.for_model(values.pop("model_type"), **values)
+        return type(cfg)(**values)  # the model's own config class (also a folder's own code, when trusted)
     except (ValueError, KeyError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ShardtuneError(f"model.rope_scaling: transformers refuses {rope_scaling}: {first}; give the keys "
