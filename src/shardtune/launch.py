@@ -87,6 +87,8 @@ def visible_from_smi(csv: str, visible: str | None, order: str | None) -> list[L
     if visible is not None:
         chosen = []
         for token in (t.strip() for t in visible.split(",")):
+            if token.startswith("MIG-"):
+                return None  # a MIG slice: its memory is CUDA's to say
             match = [r for r in rows if (token.isdigit() and r[0] == int(token))
                      or (token.startswith("GPU-") and r[1].startswith(token))]
             if len(match) != 1 or match[0] in chosen:

@@ -201,6 +201,7 @@ def test_what_only_cuda_can_say_is_left_to_torch():
     assert visible_from_smi(mixed, "2", None) is None  # CUDA's fastest-first order need not be nvidia-smi's
     assert visible_from_smi(mixed, "2", "PCI_BUS_ID")[0].name == "NVIDIA A100-SXM4-80GB"
     assert visible_from_smi("No devices were found\n", None, None) is None
+    assert visible_from_smi(SMI, "MIG-1234abcd", None) is None  # a MIG slice named in CUDA_VISIBLE_DEVICES
     assert visible_from_smi(SMI.replace(", 616,", ", [N/A],"), None, None) is None  # a driver without the field
 
 
