@@ -311,10 +311,12 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug
             # Rank 0 waits too: when the dead process was on this node, the launcher saw it and ends this one in
             # that time, with the line that says why (a SIGKILL: the out-of-memory killer) instead of this one.
             # Its monitor looks every 0.1 s, but a loaded machine delayed it past 3 s once (CI, 2026-12-04: both
-            # lines printed); a remote node's death costs these seconds before the line, nothing else.
-            time.sleep(12 if os.environ.get("RANK", "0") != "0" else 10)
-            print(f"error: lost a process of the run (another node died or was killed?): {said}; "
-                  f"{_newest_checkpoint(config, overrides)}", file=sys.stderr, flush=True)
+            # lines printed); a remote node's death costs these seconds before the line, nothing else. A rank the
+            # launcher is already ending (its SIGTERM, after this node's first rank said it) stays quiet.
+            time.sleep(20 if os.environ.get("RANK", "0") != "0" else 10)
+            if not stop.requested():
+                print(f"error: lost a process of the run (another node died or was killed?): {said}; "
+                      f"{_newest_checkpoint(config, overrides)}", file=sys.stderr, flush=True)
             code = 2
     clean_exit(code)
 

@@ -62,6 +62,11 @@ def install() -> None:
     _installed.setdefault(SAVE_SIGNAL, signal.signal(SAVE_SIGNAL, _on_save))
 
 
+def requested() -> int:
+    """The first stop signal this process received (0: none), e.g. torchrun's agent ending it."""
+    return _flags.stop
+
+
 def uninstall() -> None:
     """Restore the handlers `install` replaced, and forget the flags."""
     for sig, old in _installed.items():
