@@ -45,7 +45,8 @@ def with_positions(cfg: Any, max_positions: int | None, rope_scaling: dict[str, 
         return cfg
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    asked = rope_scaling or {}
+    kind = asked.get("rope_type", asked.get("type", "default"))
     if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
         raise ShardtuneError(f"model.rope_scaling: rope_type {kind!r} is not one transformers has; choose one of "
                              f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")

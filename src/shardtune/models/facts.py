@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-_ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A Llama-style block's linear layers, in the order its forward calls them.
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # config.json keys a parameter count needs stated (their class defaults vary by family and by release).
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -49,7 +50,7 @@ def _defaults(tie: bool = False, kv_heads: int | None = None, head_dim: int | No
 @dataclass(frozen=True)
 class ArchFacts:
     block_class: str
-    lora_targets: tuple[str, ...] = _ATTN_MLP
+    lora_targets: tuple[str, ...] = LLAMA_LINEARS
     layout: BlockLayout | None = None  # None: the planner builds the model on the meta device to count it
 
 

@@ -8,15 +8,7 @@ node); the engine a run drives is deepspeed_engine.py.
   zero2 -> stage 2: + gradients partitioned (reduce-scatter)
   zero3 -> stage 3: + parameters partitioned, gathered per module for forward and backward
 
-The loop's conventions are kept: the loss handed to backward is already normalised by the step's
-global target-token count, so the engine's own averaging (over ranks, and over accumulation steps)
-is undone; the LR schedule is shardtune's own (stepped here, saved in trainer_state.json) so both
-backends follow one schedule; clipping, loss scaling and accumulation run inside the engine.
-
-Weights: ZeRO-0/1/2 hold full replicas, loaded like DDP. ZeRO-3 is materialised one decoder block at
-a time: the block gets storage, its tensors are read, and `zero.Init(module=block)` partitions it at
-once (DeepSpeed broadcasts rank 0's values while partitioning), so a process never holds more
-than one block plus the embeddings in full.
+How the engine keeps the loop's conventions and loads the weights: deepspeed_engine.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The DeepSpeed backend object a run drives (parallel/deepspeed.py holds what it runs and refuses).
-
-DeepSpeed backend: ZeRO-0/1/2/3 with CPU / NVMe offload, behind the same seam as FSDP2.
-
-  ddp   -> ZeRO stage 0 (replicas, gradient all-reduce)
-  zero1 -> stage 1: optimizer states partitioned
-  zero2 -> stage 2: + gradients partitioned (reduce-scatter)
-  zero3 -> stage 3: + parameters partitioned, gathered per module for forward and backward
+"""The DeepSpeed backend object a run drives (parallel/deepspeed.py holds what it runs and refuses, and which
+ZeRO stage each strategy is).
 
 The loop's conventions are kept: the loss handed to backward is already normalised by the step's
 global target-token count, so the engine's own averaging (over ranks, and over accumulation steps)
@@ -39,7 +33,6 @@ from shardtune.parallel.prepare import checkpoint_and_compile
 
 if TYPE_CHECKING:
     from shardtune.data import Batch
-
 
 
 class DeepSpeedBackend:

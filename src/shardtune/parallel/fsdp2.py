@@ -1,8 +1,5 @@
 """FSDP2 backend: ZeRO-3 / ZeRO-2 with `fully_shard`, and DDP as the unsharded case.
 
-Order (torchtitan's parallelize_llama): activation checkpointing -> compile each block ->
-fully_shard each decoder block -> fully_shard the root -> materialise and load each rank's shard.
-
   zero3: parameters, gradients and optimizer states sharded; blocks reshard after forward.
   zero2: the same, but blocks keep their gathered parameters from forward to backward
          (no second all-gather; more memory), like ZeRO-2 / SHARD_GRAD_OP.

@@ -1,14 +1,8 @@
-"""The FSDP2 backend object a run drives (parallel/fsdp2.py holds what it runs and refuses).
-
-FSDP2 backend: ZeRO-3 / ZeRO-2 with `fully_shard`, and DDP as the unsharded case.
+"""The FSDP2 backend object a run drives (parallel/fsdp2.py holds what it runs and refuses, and what each
+strategy shards).
 
 Order (torchtitan's parallelize_llama): activation checkpointing -> compile each block ->
 fully_shard each decoder block -> fully_shard the root -> materialise and load each rank's shard.
-
-  zero3: parameters, gradients and optimizer states sharded; blocks reshard after forward.
-  zero2: the same, but blocks keep their gathered parameters from forward to backward
-         (no second all-gather; more memory), like ZeRO-2 / SHARD_GRAD_OP.
-  ddp:   full replicas with torch DDP (gradient all-reduce); autocast for mixed precision.
 """
 
 from __future__ import annotations

@@ -68,9 +68,8 @@ OFFLOAD_MIN_BYTES = 1 << 20
 class ActivationOffload(torch.autograd.graph.save_on_cpu):
     """torch's save_on_cpu (a saved tensor copied to host memory in forward, pinned on GPUs, and back in
     backward) for activations only: parameters and their views (FSDP2's gathered weights, transposed, that a
-    matmul saves) and tensors under
-    OFFLOAD_MIN_BYTES stay where they are. `moved_bytes` counts what went to the host (per micro-batch: the
-    caller resets it)."""
+    matmul saves) and tensors under `min_bytes` stay where they are. `moved_bytes` counts what went to the host
+    since it was made."""
 
     def __init__(self, device_type: str, min_bytes: int = OFFLOAD_MIN_BYTES) -> None:
         super().__init__(pin_memory=device_type == "cuda", device_type=device_type)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shardtune.models.facts import LLAMA_LINEARS
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape
 
@@ -116,10 +117,6 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     return m.layers * per_layer, 0.0
 
 
-# A Llama-style block's linear layers in the order its forward calls them.
-_BLOCK_MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def offloaded_activations(m: ModelShape, s: Setting) -> float:
     """Bytes parallel.activation_offload keeps on the host instead of the GPU, per micro-batch
     (parallel/prepare.py): the blocks' inputs under full or selective checkpointing (non-reentrant checkpointing
@@ -146,7 +143,7 @@ def selective_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     if not adapted <= set(width):
         adapted = set()  # another layout (gpt2's c_attn ...): counted as without adapters
     outputs: list[int] = []  # the width of each matmul's output, in order (A's r-wide output as 0)
-    for name in _BLOCK_MATMULS:
+    for name in LLAMA_LINEARS:
         outputs += [width[name], 0, width[name]] if name in adapted else [width[name]]
     kept = sum(outputs[0::2])  # the 1st, 3rd, ... matmul
     return float(p * (2 * h + kept) + 4 * m.heads)
