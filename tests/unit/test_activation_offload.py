@@ -1,4 +1,4 @@
-"""parallel.activation_offload: the decoder's saved tensors go through torch's save_on_cpu hooks (on CPU the copy
+"""parallel.activation_offload: the decoder's saved tensors go to host memory in power-of-two pieces (on CPU the copy
 is to the same memory, so this checks the wiring and what moves, not the bytes freed, which need a GPU): the loss
 and gradients of the run without it, every block input moved under full checkpointing and no parameter, the LM
 head's tensors left alone; the planner's host term and copy time; the refusals."""
@@ -88,6 +88,39 @@ def test_small_tensors_and_the_default_threshold_stay() -> None:
     ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
     assert hooks.moved_bytes == 0
+
+
+@pytest.mark.parametrize("count, smallest", [(327680 * 4096, 1 << 19), (3 * (1 << 20) + 5, 1 << 18), (100, 256)])
+def test_host_copies_are_power_of_two_pieces(count: int, smallest: int) -> None:
+    """torch's pinned allocator rounds a request up to a power of two: the pieces add up to the tensor and
+    each but a last remainder under `smallest` is a power of two, so nothing is rounded up."""
+    pieces = prepare.power_of_two_pieces(count, smallest)
+    assert sum(pieces) == count and pieces == sorted(pieces, reverse=True)
+    assert all(p & (p - 1) == 0 and p >= smallest for p in pieces[:-1])
+    assert pieces[-1] & (pieces[-1] - 1) == 0 or pieces[-1] < smallest
+
+
+def test_a_moved_tensor_comes_back_whole() -> None:
+    """A tensor of 3 MiB + 6 bytes, not contiguous, through the pack and unpack hooks: the same values back,
+    stored on the host as 2 MiB + 1 MiB + the 6-byte remainder."""
+    hooks = prepare.ActivationOffload("cpu")
+    tensor = torch.randn(3 * (1 << 18) + 3, 2, dtype=torch.bfloat16).t()  # 3 MiB + 12 bytes
+    moved, (device, shape, dtype, pieces) = hooks.pack_hook(tensor)
+    assert moved and [p.numel() * 2 for p in pieces] == [1 << 21, 1 << 20, 12]
+    assert hooks.moved_bytes == tensor.numel() * 2
+    assert torch.equal(hooks.unpack_hook((moved, (device, shape, dtype, pieces))), tensor)
+
+
+def test_a_tensor_saved_again_is_copied_once() -> None:
+    """Every block saves the same RoPE cos and sin: one host copy while unchanged; changed in place, a new one."""
+    hooks = prepare.ActivationOffload("cpu", min_bytes=0)
+    tensor = torch.randn(64, 8)
+    first, again = hooks.pack_hook(tensor), hooks.pack_hook(tensor)
+    assert again[1] is first[1] and hooks.moved_bytes == tensor.numel() * 4
+    tensor.mul_(2)
+    changed = hooks.pack_hook(tensor)
+    assert changed[1] is not first[1] and torch.equal(hooks.unpack_hook(changed), tensor)
+    assert torch.equal(hooks.unpack_hook(first), tensor / 2)
 
 
 def test_a_run_with_offload_trains_as_one_without(cli, tmp_path) -> None:
