@@ -22,6 +22,8 @@ from shardtune.plan import predict_run, speed
 from shardtune.plan.hardware import lookup
 
 ROOT = Path(__file__).resolve().parent.parent
+# The attention rate (speed.ATTN_EFF) is fitted on these; the longer rows of calls 35-36 are held out.
+LONG_FIT = ("8b-qlora-long-plain-131072", "8b-qlora-long-offload-131072")
 
 
 def rows() -> list[tuple[dict, object, object]]:
@@ -64,13 +66,20 @@ def main() -> int:
             if best is None or rms < best[0]:
                 best = (rms, h0, x0, math.exp(-mean))
     rms, speed.EFF_H0, speed.EFF_X0, speed.EFF_MAX = best
+    long = [d for d in data if d[0]["name"] in LONG_FIT]
+    for _ in range(3):  # the attention rate on the long rows, the GEMM constants again with it
+        speed.ATTN_EFF *= math.exp(-sum(log_errors(long, h200)) / len(long))
+        errors = log_errors(fit, h200)
+        speed.EFF_MAX *= math.exp(-sum(errors) / len(errors))
+    print(f"ATTN_EFF {speed.ATTN_EFF:.3f} (fitted on {len(long)} rows at 131,072 tokens), EFF_MAX then "
+          f"{speed.EFF_MAX:.3f}")
     every = log_errors(data, h200)
     print(f"fit set: {len(fit)} rows; EFF_MAX {speed.EFF_MAX:.3f}, EFF_H0 {speed.EFF_H0:.0f}, EFF_X0 "
           f"{speed.EFF_X0:.2g}; rms log error {rms:.3f}")
     print(f"all {len(data)} rows: rms log error {math.sqrt(sum(e * e for e in every) / len(every)):.3f}; "
           f"within 15%: {sum(abs(math.exp(e) - 1) <= 0.15 for e in every)}")
     for (row, _, _), e in zip(data, every, strict=True):
-        if abs(math.exp(e) - 1) > 0.15:
+        if abs(math.exp(e) - 1) > 0.15 or "long" in row["name"]:
             print(f"  {row['call']} {row['name']}: {math.exp(e) - 1:+.1%}")
     return 0
 

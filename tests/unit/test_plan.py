@@ -27,7 +27,7 @@ from shardtune.plan.memory import (
 )
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape, model_shape
-from shardtune.plan.speed import comm_bytes, step_time, train_flops_per_token
+from shardtune.plan.speed import attention_flops_per_token, comm_bytes, step_time, train_flops_per_token
 
 H200 = lookup("h200")
 
@@ -263,6 +263,10 @@ def test_flops_and_communication_per_strategy(one_b: ModelShape) -> None:
     assert ac - train_flops_per_token(one_b, s) == 2 * 16 * one_b.block_params + 4 * 16 * 2048 * 2048
     lora = train_flops_per_token(one_b, replace(s, peft="lora"))
     assert lora == 4 * one_b.params + 6 * one_b.lora_params + 12 * 16 * 2048 * 2048
+    # Flash/SDPA kernels run half of causal attention's counted FLOPs; eager multiplies the whole score matrix.
+    assert attention_flops_per_token(one_b, s) == (12 * 16 * 2048 * 2048, 6 * 16 * 2048 * 2048)
+    assert attention_flops_per_token(one_b, replace(s, attn="eager", activation_checkpointing="full")) == \
+        (16 * 16 * 2048 * 2048,) * 2
     n = one_b.params
     for world in (2, 8):
         ring = (world - 1) / world

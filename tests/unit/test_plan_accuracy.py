@@ -28,15 +28,17 @@ KNOWN_MISSES = {"8b-qlora-mb2-ac-compile-liger": 0.08, "1b-ddp-mb4-compile-liger
                 "8b-qlora-mb2-ac-compile-ligerloss": 0.11, "8b-lora-mb2-ac-compile-ligerloss": 0.06,
                 "8b-lora-alt-deepspeed-ddp-none-none-mb4": 0.06}
 # tokens/s: within 15% but the two noisiest rows on record (call 16: min-max 28,780-35,751 and 23,313-30,982;
-# an earlier session measured the second at 30,358, 4% from the prediction).
+# an earlier session measured the second at 30,358, 4% from the prediction; 30.0% -> 30.03% with the 2026-12-04
+# refit that gave attention its own rate, which moved the 1B rows up ~1%: the 8-bit rows below went 16.6 -> 18.0%
+# and 22.2 -> 23.5%).
 # Selective checkpointing's price is a guess from torchtitan's policy (saved matmuls); its one 8B row is 30% slower
 # than predicted.
 # 2026-12-04: 8-bit AdamW at micro-batch 8 and 16 (selective) ran 11-20% under the prediction with wide spreads
 # (34,747-39,674 and 36,992-40,427 tokens/s: torchao's optimizer step is host-bound); 8B QLoRA at micro-batch 2
 # without checkpointing spread 7,632-10,818 (+20%).
-SPEED_MISSES = {("16", "1b-zero2-mb2"): 0.20, ("16", "1b-ds-zero3-mb4"): 0.30, ("20", "8b-lora-mb2-sel-liger"): 0.31,
-                ("32", "1b-8bit-alt-fsdp2-zero2-none-selective-mb16"): 0.17,
-                ("32", "1b-8bit-alt-mb-fsdp2-zero2-none-none-mb8"): 0.23,
+SPEED_MISSES = {("16", "1b-zero2-mb2"): 0.20, ("16", "1b-ds-zero3-mb4"): 0.31, ("20", "8b-lora-mb2-sel-liger"): 0.31,
+                ("32", "1b-8bit-alt-fsdp2-zero2-none-selective-mb16"): 0.19,
+                ("32", "1b-8bit-alt-mb-fsdp2-zero2-none-none-mb8"): 0.24,
                 ("33", "8b-qlora-alt-mb-fsdp2-zero2-none-none-mb2"): 0.21,
                 # Selective checkpointing with PEFT runs 20-30% under the prediction (8B LoRA 2026-12-02, 8B QLoRA
                 # 2026-12-04, spread 7,560-9,281): the per-op policy is Python called for every op of the many
@@ -78,6 +80,23 @@ def test_every_recorded_peak_is_predicted_within_5_percent() -> None:
         assert abs(err) <= KNOWN_MISSES.get(row["name"], 0.05), (row["name"], row["call"], err, row)
     assert len(errors) >= 24, errors  # every row on record, the Liger rows of 2026-12-02 included
     assert any("liger" in k for k in errors)
+
+
+# Reserved (what must fit): 8B QLoRA mb 4 with checkpointing (call 16) reserved 5.3 GiB over its allocated, 14% more
+# than the fragmentation share says.
+RESERVED_MISSES = {"8b-qlora-mb4-ac": 0.15}
+
+
+def test_every_recorded_reserve_is_predicted_within_10_percent() -> None:
+    """The allocator's reserve, what decides whether a run fits: the long-sequence rows (calls 35-36) reserved up
+    to 32 GiB over their allocated, which the share-of-allocated model put at 9."""
+    checked = 0
+    for row, predicted in _predictions():
+        if row.get("meas_reserved"):
+            err = predicted.memory.reserved / 2**30 / row["meas_reserved"] - 1
+            assert abs(err) <= RESERVED_MISSES.get(row["name"], 0.10), (row["name"], row["call"], err)
+            checked += 1
+    assert checked >= 50
 
 
 def test_every_recorded_speed_is_predicted_within_15_percent() -> None:

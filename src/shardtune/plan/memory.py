@@ -41,6 +41,11 @@ FRAGMENTATION = 0.18
 RECOMPUTE_FRAGMENTATION = 0.08
 # LoRA / QLoRA runs allocate little per step besides activations: 1.05-1.18 measured (8B, 70B).
 PEFT_FRAGMENTATION = 0.10
+# Long sequences: the allocator keeps the blocks its largest transients were cut from (a recomputed block's f-wide
+# MLP tensors, 9 GiB each at 327,680 tokens of the 8B shape), and reserved exceeds allocated by about 3.7 x p x f
+# per token: 12.9-32.0 GiB measured on 8B QLoRA at 131,072-327,680 tokens (calls 35-36, bench/RESULTS.md), where
+# the shares above would say 4-9 GiB. Whichever is larger is counted.
+CACHED_TRANSIENTS = 3.7
 # CUDA context, cuBLAS / cuDNN handles and kernels loaded outside the caching allocator; NCCL's own
 # buffers when there is more than one process (NCCL_BUFFSIZE 4 MiB x channels x peers, ~0.5 GiB).
 CUDA_CONTEXT = 0.75 * GIB
@@ -115,6 +120,16 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
         kept = selective_bytes_per_token_layer(m, s) * s.tokens
         return m.layers * kept, max(0.0, per_layer - kept)
     return m.layers * per_layer, 0.0
+
+
+def backward_transient(m: ModelShape, s: Setting) -> float:
+    """Gradients a block's backward holds besides its saved activations (bytes): the MLP's is the largest.
+    down_proj's backward makes the gradient of its input (pf per token) and frees that input; SiLU(gate) * up's
+    backward then makes the gradients of both factors (2pf) before the product's gradient is freed: the saved
+    activations less pf plus 3pf, so 2pf per token over the saved ones. Measured (bench/RESULTS.md 2026-12-04):
+    8B QLoRA at 327,680 tokens with full checkpointing peaked 17.5 GiB above the recomputed block's saved
+    activations; 2pf x 327,680 tokens is 17.5 GiB."""
+    return 2.0 * s.compute_bytes * m.ffn * s.tokens
 
 
 def offloaded_activations(m: ModelShape, s: Setting) -> float:
@@ -294,6 +309,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     saved, recompute = activations(m, s)
     saved -= offloaded_activations(m, s)
     gathered = gathered_parameters(m, s)
+    transient = backward_transient(m, s)
     offloaded = _offloaded(states, s)
     on_gpu = {k: v for k, v in states.items() if k not in offloaded}
     logits = logits_bytes(m, s)
@@ -312,9 +328,10 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved, "logits": logits,
                         "buffers": buffers},
         "backward start": {**first, "gathered_parameters": gathered, "activations": saved + recompute,
-                           "buffers": buffers},
+                           "backward_transient": transient, "buffers": buffers},
         "backward end": {**in_backward, "gathered_parameters": gathered,
-                         "activations": recompute or saved / m.layers, "buffers": buffers},
+                         "activations": recompute or saved / m.layers, "backward_transient": transient,
+                         "buffers": buffers},
         "optimizer": dict(on_gpu),
     }
     phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
@@ -322,7 +339,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     allocated = sum(terms.values())
     frag = PEFT_FRAGMENTATION if s.peft != "none" else \
         FRAGMENTATION + (RECOMPUTE_FRAGMENTATION if recompute else 0.0)
-    reserved = allocated * (1 + frag)
+    reserved = max(allocated * (1 + frag), allocated + CACHED_TRANSIENTS * s.compute_bytes * m.ffn * s.tokens)
     context = CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0.0) + (COMPILE_WORKSPACE if s.compile else 0.0)
     return Memory(terms=terms, phase=phase, allocated=allocated, reserved=reserved, total=reserved + context,
                   host=host_memory(m, s, states, offloaded))

@@ -18,10 +18,18 @@ from shardtune.plan.shape import ModelShape
 # tokens x h (a micro-batch of few tokens leaves the GPU underfilled):
 #     EFF_MAX * h / (h + EFF_H0) * (T h) / (T h + EFF_X0)
 # Fitted to the planner-accuracy rows of bench/RESULTS.md (one H200; 1B and 8B shapes, 4k-16k tokens).
-# Least-squares fit over 13 rows (log error; grid over EFF_H0 and EFF_X0, EFF_MAX the log-mean): 3.9% rms.
-EFF_MAX = 0.752
+# Least-squares fit over 13 rows (log error; grid over EFF_H0 and EFF_X0, EFF_MAX the log-mean): 3.4% rms
+# (bench/fit_speed.py; refitted 2026-12-04 when attention got its own rate, ATTN_EFF).
+EFF_MAX = 0.730
 EFF_H0 = 700.0
-EFF_X0 = 2.5e6
+EFF_X0 = 3.0e6
+# Attention kernels (SDPA's flash and memory-efficient kernels, flex) skip the masked half of causal attention:
+# they run half of the 12·L·h·s that MFU counts. Eager attention multiplies the whole score matrix.
+CAUSAL_SHARE = 0.5
+# Those kernels' rate as a share of the calibrated matmul rate (forward, recompute and backward together). Fitted
+# (bench/fit_speed.py) to 8B QLoRA at 131,072 tokens, plain and with activation offload (2026-12-04, calls 35-36:
+# attention is 82% of the step there); held out: 262,144 and 327,680 tokens.
+ATTN_EFF = 0.55
 # torch.compile of each block fuses the elementwise kernels (measured 1.20-1.23x on the 1B shape).
 COMPILE_SPEEDUP = 1.2
 # Liger-Kernel (model.liger; one H200, 2026-12-02, bench/RESULTS.md), each with its fused loss: 1B full
@@ -76,6 +84,13 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
     elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
         flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
     return flops
+
+
+def attention_flops_per_token(m: ModelShape, s: Setting) -> tuple[float, float]:
+    """(counted, run): the attention scores and values in train_flops_per_token (12·L·h·s, + 4·L·h·s when full
+    checkpointing runs the forward again) and what the kernel runs of them (CAUSAL_SHARE unless eager)."""
+    counted = (16.0 if s.activation_checkpointing == "full" else 12.0) * m.layers * m.hidden * s.seq_len
+    return counted, counted * (1.0 if s.attn == "eager" else CAUSAL_SHARE)
 
 
 def model_flops_per_token(m: ModelShape, s: Setting) -> float:
@@ -200,7 +215,10 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
 def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     tokens = s.tokens * s.grad_accum
     rate = hw.bf16_flops * hw.matmul_efficiency * kernel_efficiency(m, s)
-    compute = tokens * train_flops_per_token(m, s) / rate
+    counted, run = attention_flops_per_token(m, s)
+    compute = tokens * (train_flops_per_token(m, s) - counted) / rate
+    # Eager attention is batched matmuls at the GEMM rate; the fused kernels run at their own.
+    compute += tokens * run / (rate if s.attn == "eager" else hw.bf16_flops * hw.matmul_efficiency * ATTN_EFF)
     if s.peft != "none":
         compute += LORA_OVERHEAD * tokens * m.lora_params * 8 / (hw.hbm_bytes_per_s)
     if s.peft == "qlora":
