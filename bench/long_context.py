@@ -100,7 +100,7 @@ def main() -> int:
         subprocess.run([sys.executable, str(ROOT / "bench/make_long_text.py"), str(data), "--n", "4", "--chars",
                         str(max(seqs) + 64), "--min-tokens", str(max(seqs) + 1)], check=True)
     start, rows = time.time(), []
-    plans = [(v, s) for v in args.runs.split(",") for s in seqs] + ([("hf", s) for s in seqs] if args.hf else [])
+    plans = [(v, s) for v in args.runs.split(",") if v for s in seqs] + ([("hf", s) for s in seqs] if args.hf else [])
     failed: set[str] = set()
     with open(out / "logs.txt", "a") as log, open(out / "results.jsonl", "a") as res:
         for variant, seq in plans:
