@@ -143,8 +143,8 @@ PICKS: dict[str, list[str]] = {
     "8b-lora": [*EIGHT_B, "peft.method=lora"],
     "8b-qlora": [*EIGHT_B, "peft.method=qlora"],
 }
-KNOBS = ("backend", "strategy", "offload", "activation_checkpointing", "micro_batch_size")
-FAMILY = ("backend", "offload", "activation_checkpointing")
+KNOBS = ("backend", "strategy", "offload", "activation_checkpointing", "activation_offload", "micro_batch_size")
+FAMILY = ("backend", "offload", "activation_checkpointing", "activation_offload")
 
 
 def pick_rows(scenario: str, overrides: list[str], data: Path) -> list[tuple[str, str, list[str]]]:
@@ -165,9 +165,10 @@ def pick_rows(scenario: str, overrides: list[str], data: Path) -> list[tuple[str
     rows = []
     for role, c in (("pick", pick), ("alt", other), ("alt-mb", smaller)):
         if c is not None:
-            knobs = [f"parallel.{k}={c[k]}" for k in KNOBS[:-1]] + [f"train.micro_batch_size={c['micro_batch_size']}"]
+            knobs = [f"parallel.{k}={str(c[k]).lower()}" for k in KNOBS[:-1]] + \
+                [f"train.micro_batch_size={c['micro_batch_size']}"]
             name = f"{scenario}-{role}-{c['backend']}-{c['strategy']}-{c['offload']}-{c['activation_checkpointing']}" \
-                   f"-mb{c['micro_batch_size']}"
+                   f"{'-host' if c['activation_offload'] else ''}-mb{c['micro_batch_size']}"
             rows.append((name, f"pick-{scenario}", [*overrides, *knobs]))
     return rows
 

@@ -163,3 +163,33 @@ def test_plan_says_where_the_activations_are(cli) -> None:
     proc = cli("plan", TINY, "parallel.activation_checkpointing=full", "parallel.activation_offload=true", "--gpu",
                "h100")
     assert proc.returncode == 0 and "checkpointing full, saved activations in host memory" in proc.stdout
+
+
+def _long_plan(seq: int, host_gib: int, *overrides: str):
+    from dataclasses import replace
+
+    from shardtune.plan import make_plan
+
+    cfg = load_config(str(ROOT / "bench" / "bench.yaml"), [
+        "data.train_file=examples/data/tasks.jsonl", "model.preset=llama-3.1-8b", f"train.seq_len={seq}",
+        f"model.max_position_embeddings={max(seq, 131072)}", "peft.method=qlora", "model.liger=loss",
+        "parallel.strategy=auto", "train.micro_batch_size=auto", *overrides])
+    hw = replace(lookup("h200"), host_memory_bytes=host_gib * GIB)
+    return cfg, make_plan(cfg, load_hf_config(cfg.model), hw, world=1, per_node=1)
+
+
+def test_the_search_moves_activations_to_the_host_where_nothing_else_fits() -> None:
+    """8B QLoRA at 327,680 tokens on one H200 (what ran, bench/RESULTS.md 2026-12-04): only full checkpointing
+    with the block inputs on the host fits, and `strategy: auto` finds it; at 131,072 tokens the GPU holds them
+    and the copies would cost time, so it does not. Set off in the config, or with too little host memory,
+    nothing fits."""
+    from shardtune.plan import auto_overrides, config_for_auto
+
+    cfg, plan = _long_plan(327680, 128)
+    assert plan.pick is not None and plan.pick.setting.activation_offload
+    assert plan.pick.setting.activation_checkpointing == "full" and plan.pick.setting.micro_batch_size == 1
+    assert "parallel.activation_offload=true" in auto_overrides(config_for_auto(cfg, plan.pick.setting, plan.auto),
+                                                                plan.auto)
+    assert not _long_plan(131072, 128)[1].pick.setting.activation_offload
+    assert _long_plan(327680, 128, "parallel.activation_offload=false")[1].pick is None
+    assert _long_plan(327680, 64)[1].pick is None  # 83 GiB of pinned host memory needed

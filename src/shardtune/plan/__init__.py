@@ -76,7 +76,8 @@ class Plan:
             "chosen": self.chosen().to_json(),
             "auto": list(self.auto),
             "reason": self.reason(),
-            "refused": {"/".join(k): v for k, v in self.result.refused.items()},
+            "refused": {"/".join(k[:3]) + ("/activation_offload" if k[3] else ""): v
+                        for k, v in self.result.refused.items()},
         }
 
 
@@ -86,6 +87,8 @@ def describe(s: Setting) -> str:
         parts.append(f"offload {s.offload}")
     parts.append("no checkpointing" if s.activation_checkpointing == "none" else
                  f"checkpointing {s.activation_checkpointing}")
+    if s.activation_offload:
+        parts.append("saved activations in host memory")
     parts.append(f"micro-batch {s.micro_batch_size}")
     if s.liger_kernels or s.fused_loss_runs:
         parts.append("liger " + " + ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss_runs))
@@ -170,7 +173,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     new = cfg.model_copy(deep=True)
     p, t = new.parallel, new.train
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
-    p.activation_checkpointing = s.activation_checkpointing
+    p.activation_checkpointing, p.activation_offload = s.activation_checkpointing, s.activation_offload
     if s.offload == "none" or not s.nvme:
         p.offload_nvme_path = None
     t.micro_batch_size = s.micro_batch_size
@@ -187,7 +190,7 @@ def free_knobs(cfg: Any) -> set[str]:
     free = set()
     if cfg.parallel.strategy == "auto":
         free.add("strategy")
-        free |= {k for k in ("backend", "offload", "activation_checkpointing")
+        free |= {k for k in ("backend", "offload", "activation_checkpointing", "activation_offload")
                  if k not in cfg.parallel.model_fields_set}
     if cfg.train.micro_batch_size == "auto":
         free.add("micro_batch_size")
@@ -301,6 +304,7 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
     if "parallel.strategy" in auto:
         new.parallel.backend, new.parallel.strategy = s.backend, s.strategy
         new.parallel.offload, new.parallel.activation_checkpointing = s.offload, s.activation_checkpointing
+        new.parallel.activation_offload = s.activation_offload
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
     return new
@@ -312,7 +316,8 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
     if "parallel.strategy" in auto:
         p = cfg.parallel
         out += [f"parallel.backend={p.backend}", f"parallel.strategy={p.strategy}", f"parallel.offload={p.offload}",
-                f"parallel.activation_checkpointing={p.activation_checkpointing}"]
+                f"parallel.activation_checkpointing={p.activation_checkpointing}",
+                f"parallel.activation_offload={str(p.activation_offload).lower()}"]
     if "train.micro_batch_size" in auto:
         out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return out

@@ -16,11 +16,11 @@ TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "
          ("gathered_parameters", "gather"), ("activations", "act"), ("logits", "logits"), ("buffers", "buf"))
 
 
-AC_SHORT = {"selective": "sel"}  # the table's checkpointing column is 4 wide
+AC_SHORT = {"selective": "sel"}  # the table's checkpointing column: "+h" when the saved activations are on the host
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
     rows = [c for c in plan.result.candidates if show_all or c.usable]
-    head = (f"{'backend':<9} {'strategy':<8} {'offload':<9} {'ckpt':<4} {'mb':>3} {'GiB/GPU':>8} "
+    head = (f"{'backend':<9} {'strategy':<8} {'offload':<9} {'ckpt':<6} {'mb':>3} {'GiB/GPU':>8} "
             + " ".join(f"{short:>6}" for _, short in TERMS) + f" {'host GiB':>8} {'tok/s/GPU':>10} {'MFU':>6}  fits")
     lines = [head]
     for c in rows:
@@ -43,8 +43,8 @@ def _row(c: Candidate, mark: str = "") -> str:
     s, mem = c.setting, c.memory
     terms = " ".join(f"{mem.terms.get(key, 0.0) / GIB:>6.1f}" for key, _ in TERMS)
     fits = "yes" if c.usable else ("host" if c.fits else "no")
-    ac = AC_SHORT.get(s.activation_checkpointing, s.activation_checkpointing)
-    return (f"{s.backend:<9} {s.strategy:<8} {s.offload:<9} {ac:<4} {s.micro_batch_size:>3} "
+    ac = AC_SHORT.get(s.activation_checkpointing, s.activation_checkpointing) + ("+h" if s.activation_offload else "")
+    return (f"{s.backend:<9} {s.strategy:<8} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
             f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "
             f"{c.time.mfu:>6.1%}  {fits} {mark}").rstrip()
 

@@ -20,7 +20,7 @@ STRATEGIES = {"fsdp2": ("ddp", "zero2", "zero3", "hsdp"), "deepspeed": ("ddp", "
 OFFLOADS = {"fsdp2": ("none",), "deepspeed": ("none", "optimizer", "params")}
 CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "offload": "parallel.offload",
                "activation_checkpointing": "parallel.activation_checkpointing",
-               "micro_batch_size": "train.micro_batch_size"}
+               "activation_offload": "parallel.activation_offload", "micro_batch_size": "train.micro_batch_size"}
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Search:
     pick: Candidate | None
     capacity: float  # bytes usable per GPU after the safety margin
     host_capacity: float | None
-    refused: dict[tuple[str, str, str], str] = field(default_factory=dict)  # combination -> why not
+    refused: dict[tuple[str, str, str, bool], str] = field(default_factory=dict)  # combination -> why not
 
 
 def price(m: ModelShape, s: Setting, hw: Any, capacity: float, host_capacity: float | None) -> Candidate:
@@ -70,19 +70,20 @@ def price(m: ModelShape, s: Setting, hw: Any, capacity: float, host_capacity: fl
 
 def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Setting], str | None],
            micro_batches: tuple[int, ...] | None = None, host_capacity: float | None = None) -> Search:
-    """Price every backend x strategy x offload x checkpointing (x micro-batch when `micro_batches` is given)
-    variant of `base`; `supported(setting)` returns why a combination cannot run, or None."""
+    """Price every backend x strategy x offload x checkpointing x activation offload (x micro-batch when
+    `micro_batches` is given) variant of `base`; `supported(setting)` returns why a combination cannot run, or
+    None."""
     capacity = hw.memory_bytes * (1 - SAFETY_MARGIN)
-    refused: dict[tuple[str, str, str], str] = {}
+    refused: dict[tuple[str, str, str, bool], str] = {}
     out: list[Candidate] = []
-    for backend, ac, mb in itertools.product(("fsdp2", "deepspeed"), ("none", "selective", "full"),
-                                             micro_batches or (base.micro_batch_size,)):
+    for backend, ac, mb, moved in itertools.product(("fsdp2", "deepspeed"), ("none", "selective", "full"),
+                                                    micro_batches or (base.micro_batch_size,), (False, True)):
         for strategy, offload in itertools.product(STRATEGIES[backend], OFFLOADS[backend]):
             if strategy == "hsdp" and base.nnodes == 1:
                 continue  # on one node hsdp is zero3
             s = base.replace(backend=backend, strategy=strategy, offload=offload, activation_checkpointing=ac,
-                             micro_batch_size=mb, nvme=base.nvme and offload != "none")
-            key = (backend, strategy, offload)
+                             activation_offload=moved, micro_batch_size=mb, nvme=base.nvme and offload != "none")
+            key = (backend, strategy, offload, moved)
             if key not in refused:
                 refused[key] = supported(s) or ""
             if refused[key]:
