@@ -144,6 +144,16 @@ def offloaded_activations(m: ModelShape, s: Setting) -> float:
     return float(m.layers * s.compute_bytes * m.hidden * s.tokens)
 
 
+def final_norm_bytes(m: ModelShape, s: Setting) -> float:
+    """What the decoder's final RMSNorm saves: its fp32 upcast and normalised input, (4 + p)h per token. It runs
+    inside the decoder's forward, so parallel.activation_offload moves it to the host too, where the pinned
+    blocks stay cached for the next step. (On the GPU it is freed before the peak: its backward runs first.)
+    Measured host memory in use with offload on 8B QLoRA (`free`, less the idle machine's; bench/RESULTS.md
+    2026-12-04): 89.6 / 72.3 / 37.7 GiB at 327,680 / 262,144 / 131,072 tokens; the block inputs and the process
+    alone (3 GiB) say 83 / 67 / 35, these add 7.5 / 6 / 3."""
+    return float((4 + s.compute_bytes) * m.hidden * s.tokens)
+
+
 def selective_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     """Selective checkpointing (parallel/prepare.py) keeps, per token and block: the block's input (ph), the
     attention kernel's output (ph) and log-sum-exp (4 bytes per head), and the output of every other matmul in
@@ -368,8 +378,8 @@ def host_memory(m: ModelShape, s: Setting, states: dict[str, float], offloaded: 
         trainable = m.params if s.peft == "none" else m.lora_params
         moved += (s.compute_bytes + 4.0) * trainable / s.world * s.per_node
         host["offload"] = min(moved, 2 * 5e8 * 4 * s.per_node) if s.nvme else moved
-    if s.activation_offload:
-        host["activations"] = offloaded_activations(m, s) * s.per_node  # pinned copies of one micro-batch's
+    if s.activation_offload:  # pinned copies of one micro-batch's
+        host["activations"] = (offloaded_activations(m, s) + final_norm_bytes(m, s)) * s.per_node
     if s.async_checkpoint:
         trainable = m.params if s.peft == "none" else m.lora_params
         per_param = 4.0 + (ADAMW8BIT_BYTES if s.optim == "adamw8bit" else 8.0)
