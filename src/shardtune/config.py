@@ -142,9 +142,11 @@ class ParallelConfig(_Section):
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
     activation_offload: bool = Field(
         False, description="Keep what autograd saves in the decoder in host memory (pinned on GPUs), copied out in "
-                           "forward and back in backward (torch.autograd.graph.save_on_cpu, not overlapped with "
-                           "compute yet). With activation_checkpointing: full that is each block's input, which "
-                           "bounds the longest trainable sequence. fsdp2 only; not with compile.")
+                           "forward and back in backward (as torch.autograd.graph.save_on_cpu, in power-of-two "
+                           "pieces; not overlapped with compute yet). With activation_checkpointing: full that is "
+                           "each block's input, which bounds the longest trainable sequence. fsdp2 only; not with "
+                           "compile. Under parallel.strategy: auto the planner turns it on where nothing fits "
+                           "without it.")
     offload: Literal["none", "optimizer", "params"] = Field(
         "none", description="DeepSpeed ZeRO-Offload: optimizer states (optimizer), or parameters and optimizer "
                             "states (params, zero3 only), kept in CPU memory (or on NVMe, see offload_nvme_path).")
