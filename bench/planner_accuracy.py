@@ -142,6 +142,9 @@ PICKS: dict[str, list[str]] = {
     "1b-ac-full": [*ONE_B, "parallel.activation_checkpointing=full"],
     "8b-lora": [*EIGHT_B, "peft.method=lora"],
     "8b-qlora": [*EIGHT_B, "peft.method=qlora"],
+    # Long rows: attention is most of the step (priced at its own rate since 2026-12-04) and the candidates
+    # trade checkpointing for micro-batch.
+    "1b-s16384": [*ONE_B, "train.seq_len=16384"],
 }
 KNOBS = ("backend", "strategy", "offload", "activation_checkpointing", "activation_offload", "micro_batch_size")
 FAMILY = ("backend", "offload", "activation_checkpointing", "activation_offload")
@@ -278,6 +281,22 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _seq(overrides: list[str]) -> int:
+    """The train.seq_len a row's overrides set (0 where they leave bench.yaml's)."""
+    return max([0] + [int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.seq_len=")])
+
+
+def _long_text(work: Path, seq: int) -> Path:
+    """Random text with every line at least seq + 1 tokens long, so every row trains full sequences."""
+    data = work / ("long.jsonl" if seq <= 4096 else f"long-{seq}.jsonl")
+    data.parent.mkdir(parents=True, exist_ok=True)
+    if not data.exists():
+        lines = 400 if seq <= 4096 else max(64, 400 * 4096 // seq)
+        subprocess.run([sys.executable, str(ROOT / "bench/make_long_text.py"), str(data), "--n", str(lines),
+                        "--chars", str(seq + 200), "--min-tokens", str(seq + 1)], check=True)
+    return data
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--matrix", default="a", help="a, b, tiny, or a comma list of row names from any matrix")
@@ -291,17 +310,16 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = Path(args.work) / "long.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    if not data.exists():
-        subprocess.run([sys.executable, str(ROOT / "bench/make_long_text.py"), str(data), "--n", "400", "--chars",
-                        "4300", "--min-tokens", "4097"], check=True)
     if args.pick:
-        rows = [row for name in args.pick.split(",") for row in pick_rows(name, PICKS[name], data)]
+        scenarios = args.pick.split(",")
+        longest = max([4096] + [_seq(PICKS[name]) for name in scenarios])
+        data = _long_text(Path(args.work), longest)
+        rows = [row for name in scenarios for row in pick_rows(name, PICKS[name], data)]
         print("\n".join(f"{n}: {' '.join(o)}" for n, _, o in rows), flush=True)
     else:
         every = {n: (n, s, o) for rows in MATRICES.values() for n, s, o in rows}
         rows = MATRICES.get(args.matrix) or [every[n] for n in args.matrix.split(",")]
+        data = _long_text(Path(args.work), max([4096] + [_seq(o) for _, _, o in rows]))
     start, results = time.time(), []
     with open(out / "logs.txt", "a") as log, open(out / "results.jsonl", "a") as res:
         for name, scenario, overrides in rows:

@@ -138,8 +138,12 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
         offload.copies.clear()
         offload.__enter__()
 
+    def stop(*_: Any) -> None:  # the graph holds the copies; the table of them is only for this forward
+        offload.__exit__(None, None, None)
+        offload.copies.clear()
+
     decoder.register_forward_pre_hook(start)
-    decoder.register_forward_hook(lambda *_: offload.__exit__(None, None, None), always_call=True)
+    decoder.register_forward_hook(stop, always_call=True)
     return offload
 
 
