@@ -35,6 +35,7 @@ def results(fsdp2_runs, tmp_path_factory):
     two["_ref_noclip"] = refs["ddp:noclip"]
     two["_one_mb8"] = refs["ddp:mb8"]
     two["_one_compile"] = refs["zero3:compile"]
+    two["_one_lora_local"] = refs["zero3:lora:local"]
     return refs["ddp"], two
 
 
@@ -164,6 +165,25 @@ def test_qlora_on_one_process_through_fsdp2_matches_ddp(results):
     assert one["world"] == 1
     assert_same_gradients(two["_ref_qlora"], one)
     assert one["adapter_tensors"] == 2 * PROJECTIONS * LAYERS and one["adapter_nonzero_b"] == PROJECTIONS * LAYERS
+
+
+def test_frozen_weights_outside_fsdp2_train_as_inside(results):
+    """parallel.shard_frozen=false: the frozen base stays whole on every rank, outside FSDP2 (plain tensors; the
+    adapters are its DTensors), and training is the single-process LoRA run's to the gradient, on 1 and 2
+    processes; the saved adapter loads in PEFT. In bf16 the base is the FSDP2-managed bf16 run's; QLoRA on 2
+    processes keeps its NF4 weights with FSDP2 (sharded) and the rest of its frozen weights out."""
+    two = results[1]
+    for run in (two["zero3:lora:local"], two["_one_lora_local"]):
+        assert_same_gradients(two["_ref_lora"], run)
+        rep = run["sharding"]
+        assert rep["frozen"] > 0 and rep["frozen_dtensors"] == 0 and rep["trainable_dtensors"] == rep["trainable"]
+        assert run["base_weights_diff"] == 0.0 and run["adapter_logit_diff"] < 1e-5
+    bf16 = two["zero3:lora:bf16:local"]
+    assert bf16["dtypes"]["frozen"] == ["bfloat16"] and bf16["sharding"]["frozen_dtensors"] == 0
+    assert max_diff(two["zero3:lora:bf16"]["losses"], bf16["losses"]) < 1e-6
+    qlora = two["zero3:qlora:local"]
+    assert_same_gradients(two["_ref_qlora"], qlora)
+    assert 0 < qlora["sharding"]["frozen_dtensors"] == qlora["nf4_params"] < qlora["sharding"]["frozen"]
 
 
 def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):

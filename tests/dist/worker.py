@@ -5,11 +5,11 @@
 A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
 compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
 adamw8bit, ds (parallel.backend=deepspeed), offload / offparams / nvme (DeepSpeed offload of the optimizer /
-of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp), noclip (optim.max_grad_norm=0, lr 1e-2),
-mb8 / mb1 (micro-batch 8 x accumulation 1 / micro-batch 1 x accumulation 4). For each
-variant rank 0 records the loss and grad-norm (before clipping) trajectories, facts that prove a feature
-was on (`Probe`: block recomputes, activation dtypes, document masks; compiled graphs, NF4 parameters,
-optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor sharded on dim 0, and the
+of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp), local (parallel.shard_frozen=false),
+noclip (optim.max_grad_norm=0, lr 1e-2), mb8 / mb1 (micro-batch 8 x accumulation 1 / micro-batch 1 x
+accumulation 4). For each variant rank 0 records the loss and grad-norm (before clipping) trajectories, facts
+that prove a feature was on (`Probe`: block recomputes, activation dtypes, document masks; compiled graphs, NF4
+parameters, optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor sharded on dim 0, and the
 largest logit difference between the trained (sharded) model and the Hugging Face directory it exported,
 reloaded with transformers, and the run's communication accounting (summary.json's `comm`) with the
 model's element counts; for every rank, what its load read and the most it materialised at once (`LoadProbe`,
@@ -57,6 +57,7 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "offparams": "parallel.offload=params",
            "nvme": "parallel.offload=optimizer parallel.offload_nvme_path={nvme_dir}",
            "s2": "parallel.shard_size=2",
+           "local": "parallel.shard_frozen=false",
            # Clipping off and a 10x learning rate: the clipped runs hide a gradient-scale error from the loss.
            "noclip": "optim.max_grad_norm=0 train.lr=1e-2",
            # Other splits of the same global batch of 8 (the launch's grad_accum is overridden).
@@ -210,6 +211,10 @@ def sharding_report(module: torch.nn.Module) -> dict[str, object]:
     dtensors = {n: p for n, p in params.items() if isinstance(p, DTensor)}
     return {
         "all_dtensor": len(dtensors) == len(params),
+        "frozen": sum(not p.requires_grad for p in params.values()),
+        "frozen_dtensors": sum(not p.requires_grad for p in dtensors.values()),
+        "trainable_dtensors": sum(p.requires_grad for p in dtensors.values()),
+        "trainable": sum(p.requires_grad for p in params.values()),
         "all_shard0": all(p.placements == (Shard(0),) for p in dtensors.values()),
         "placements": sorted({str(p.placements) for p in dtensors.values()}),
         "mesh": sorted({str(tuple(p.device_mesh.shape)) for p in dtensors.values()}),

@@ -415,3 +415,38 @@ def test_host_memory_is_checked_only_where_it_is_known(capsys: pytest.CaptureFix
             resolve_hardware(None, host_memory="1TiB")
     assert main(["plan", "examples/tiny.yaml", "--gpu", "h100", "--host-memory", "1TiB"]) == 0
     assert "host 1024 GiB per node" in capsys.readouterr().out
+
+
+def test_frozen_weights_kept_whole_are_neither_gathered_nor_sharded(eight_b: ModelShape) -> None:
+    """parallel.shard_frozen=false (8B LoRA, bf16 base): on one GPU no gathered copy of the base (zero2 held every
+    block's, 13 GiB; a fused loss the root's, 2 GiB) and no copy time; on 8 GPUs the base is whole on each (its
+    15 GiB instead of an eighth) and only the adapters are all-gathered. A base in fp32 under bf16 stays sharded."""
+    from shardtune.plan.speed import gather_copy_seconds
+
+    h200 = lookup("h200")
+    for strategy in ("zero2", "zero3"):
+        s = Setting(peft="lora", strategy=strategy, micro_batch_size=2, fused_loss=True)
+        local = replace(s, shard_frozen=False)
+        assert gpu_memory(eight_b, s).terms["gathered_parameters"] >= 1.9 * GIB
+        assert "gathered_parameters" not in gpu_memory(eight_b, local).terms
+        assert gather_copy_seconds(eight_b, local, h200) < gather_copy_seconds(eight_b, s, h200) / 100
+    eight = Setting(peft="lora", world=8, per_node=8)
+    base = eight_b.params * 2
+    assert gpu_memory(eight_b, replace(eight, shard_frozen=False)).terms["parameters"] == pytest.approx(
+        gpu_memory(eight_b, eight).terms["parameters"] + base * 7 / 8)
+    assert comm_bytes(eight_b, replace(eight, shard_frozen=False))["all_gather"] < \
+        comm_bytes(eight_b, eight)["all_gather"] / 50
+    fp32_base = replace(eight, base_dtype="fp32", shard_frozen=False)
+    assert not fp32_base.frozen_local and comm_bytes(eight_b, fp32_base) == comm_bytes(eight_b, replace(
+        fp32_base, shard_frozen=True))
+
+
+def test_shard_frozen_false_is_refused_where_it_does_not_apply() -> None:
+    from shardtune.parallel import check_combination
+
+    tiny = "examples/tiny.yaml"
+    with pytest.raises(ShardtuneError, match=r"parallel\.strategy=ddp does not do.*parallel\.shard_frozen=true"):
+        check_combination(load_config(tiny, ["parallel.strategy=ddp", "parallel.shard_frozen=false"]))
+    with pytest.raises(ShardtuneError, match=r"parallel\.shard_frozen: false is FSDP2's"):
+        check_combination(load_config(tiny, ["parallel.backend=deepspeed", "parallel.shard_frozen=false"]))
+    check_combination(load_config(tiny, ["parallel.strategy=zero2", "parallel.shard_frozen=false"]))

@@ -39,6 +39,7 @@ SUPPORTS = {
     "optim.name": ("adamw",),
     "train.precision": ("fp32", "bf16", "fp16"),  # fp16 on GPUs only (check)
     "parallel.activation_offload": ("false",),
+    "parallel.shard_frozen": ("true",),
 }
 REFUSALS = {
     ("parallel.strategy", "hsdp"): "parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; "
@@ -46,6 +47,9 @@ REFUSALS = {
     ("parallel.activation_offload", "true"): "parallel.activation_offload: true runs on parallel.backend=fsdp2 "
                                              "(DeepSpeed's own cpu_checkpointing is not wired in); set "
                                              "parallel.backend=fsdp2, or parallel.activation_offload=false",
+    ("parallel.shard_frozen", "false"): "parallel.shard_frozen: false is FSDP2's (DeepSpeed partitions every "
+                                        "weight its stage partitions); set parallel.backend=fsdp2, or "
+                                        "parallel.shard_frozen=true",
     ("peft.method", "qlora"): "peft.method: qlora needs parallel.backend=fsdp2 (its torchao NF4 weights shard under "
                               "FSDP2 only); set parallel.backend=fsdp2, or use peft.method=lora with deepspeed",
     ("optim.name", "adamw8bit"): "optim.name: adamw8bit needs parallel.backend=fsdp2 (its torchao 8-bit states "

@@ -48,6 +48,7 @@ SUPPORTS = {
     "optim.name": ("adamw", "adamw8bit"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "parallel.activation_offload": ("false", "true"),
+    "parallel.shard_frozen": ("true", "false"),
 }
 REFUSALS = {
     ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
@@ -74,6 +75,10 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("parallel.activation_offload: true with parallel.strategy=ddp would move autocast's "
                              "compute-dtype copies of the weights with the activations; set parallel.strategy=zero2 "
                              "or zero3 (one GPU runs them as fast), or parallel.activation_offload=false")
+    if not p.shard_frozen and p.strategy == "ddp":
+        raise ShardtuneError("parallel.shard_frozen: false keeps frozen weights out of FSDP2's sharding, which "
+                             "parallel.strategy=ddp does not do (every weight is whole); set parallel.strategy=zero2 "
+                             "or zero3, or parallel.shard_frozen=true")
     if p.activation_offload and p.compile:
         raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true is not built yet (the "
                              "offload hooks would run inside the compiled blocks); set parallel.compile=false, or "

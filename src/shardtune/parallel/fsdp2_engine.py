@@ -106,6 +106,9 @@ class FSDP2Backend:
         # leaves the NF4 weights alone (plain frozen parameters, moved to the device by load_weights)
         # and still does the mixed precision of the rest (no autocast: QLoRA's fast path on one GPU).
         ignored = {p for p in model.parameters() if is_nf4(p)} if self.ctx.world == 1 else set()
+        if not self.parallel.shard_frozen:  # whole on every GPU, used as they are: no gather, no copy
+            ignored |= {p for p in model.parameters()
+                        if not p.requires_grad and p.dtype == self.compute_dtype and not is_nf4(p)}
         for i, block in enumerate(blocks):
             # The last block's parameters are needed again at once by backward: keep them gathered.
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1,

@@ -22,6 +22,7 @@ SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
     "optim.name": lambda cfg: cfg.optim.name,
     "train.precision": lambda cfg: cfg.train.precision,
     "parallel.activation_offload": lambda cfg: "true" if cfg.parallel.activation_offload else "false",
+    "parallel.shard_frozen": lambda cfg: "true" if cfg.parallel.shard_frozen else "false",
 }
 
 

@@ -223,12 +223,13 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
     pshards, oshards = s.param_shards(), s.optim_shards()
     trainable = m.params if s.peft == "none" else m.lora_params
     per_optim = ADAMW8BIT_BYTES if s.optim == "adamw8bit" else 8.0
+    local = 1 if s.frozen_local else pshards  # parallel.shard_frozen: false keeps them whole
     if s.peft == "none":
         frozen = 0.0
     elif s.peft == "qlora":
-        frozen = (m.target_params * NF4_BYTES + (m.params - m.target_params) * s.frozen_bytes) / pshards
+        frozen = m.target_params * NF4_BYTES / pshards + (m.params - m.target_params) * s.frozen_bytes / local
     else:
-        frozen = m.params * s.frozen_bytes / pshards
+        frozen = m.params * s.frozen_bytes / local
     if s.backend == "deepspeed" and s.peft == "none":
         stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[s.strategy]
         p = s.compute_bytes
@@ -263,6 +264,8 @@ def gathered_parameters(m: ModelShape, s: Setting) -> float:
     gathered copy (embedding, head) is alive while a fused loss runs: the fused loss runs inside the root's
     forward (models/liger.install_fused_loss), the plain loss after it, once the root has resharded."""
     p = s.compute_bytes
+    if s.frozen_local:
+        return 0.0  # the frozen weights are used where they are; FSDP2 gathers the adapters only (MiB)
     if s.backend == "fsdp2" and s.param_shards() == 1 and s.strategy != "ddp" and s.peft != "none" and \
             s.frozen_bytes == p:
         # Measured on one H200 (8B LoRA and 8B / 70B QLoRA, zero3): without Liger nothing gathered at the peak;

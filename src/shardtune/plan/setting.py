@@ -20,6 +20,7 @@ class Setting:
     nvme: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
+    shard_frozen: bool = True  # parallel.shard_frozen: FSDP2 manages the frozen compute-dtype weights
     compile: bool = False
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -50,6 +51,13 @@ class Setting:
     def frozen_bytes(self) -> int:
         """Bytes of one frozen base weight under LoRA (peft.base_dtype, auto = the compute precision)."""
         return PRECISION_BYTES[self.precision if self.base_dtype == "auto" else self.base_dtype]
+
+    @property
+    def frozen_local(self) -> bool:
+        """parallel.shard_frozen: false where it applies: FSDP2 sharding with a PEFT base stored in the compute
+        dtype, which then stays whole on every GPU, outside FSDP2 (another dtype stays with FSDP2 for its cast)."""
+        return (not self.shard_frozen and self.peft != "none" and self.backend == "fsdp2"
+                and self.strategy != "ddp" and self.frozen_bytes == self.compute_bytes)
 
     @property
     def tokens(self) -> int:
@@ -97,7 +105,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     return Setting(
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
-        activation_offload=p.activation_offload,
+        activation_offload=p.activation_offload, shard_frozen=p.shard_frozen,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,

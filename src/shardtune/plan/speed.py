@@ -138,7 +138,10 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
     sharded strategy reduce-scatters fp32 gradients per micro-batch (FSDP2 syncs each one); DDP all-reduces
     once per step. hsdp adds an all-reduce of the sharded gradients across its replica groups. DeepSpeed
     stage 1-2 all-reduce / reduce-scatter the gradients and all-gather the updated parameters once a step.
-    LoRA gathers the frozen base the same way but reduces only the adapters' gradients."""
+    LoRA gathers the frozen base and the adapters the same way but reduces only the adapters' gradients; with
+    parallel.shard_frozen=false it gathers the adapters (and QLoRA's NF4 weights) only. Counted on 2 CPU processes
+    to the byte for full fine-tuning and LoRA (QLoRA's NF4 all-gather moves more than its 0.52 bytes per weight:
+    not modelled)."""
     w = s.world
     if w == 1:
         return {}
@@ -146,6 +149,8 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
     trainable = m.params if s.peft == "none" else m.lora_params
     frozen_param_bytes = m.params * p if s.peft != "qlora" else m.target_params * NF4_BYTES + \
         (m.params - m.target_params) * p
+    if s.peft != "none":
+        frozen_param_bytes += m.lora_params * p  # the adapters, gathered in the compute dtype too
     out: dict[str, float] = {}
     if s.backend == "deepspeed":
         if s.strategy in ("ddp", "zero1"):
@@ -160,13 +165,27 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
     if s.strategy == "ddp":
         return {"all_reduce": 2 * trainable * 4.0 * (w - 1) / w}
     n = s.param_shards()
-    regathered = 0.0 if s.strategy == "zero2" else (m.params - m.block_params) / m.params
-    out["all_gather"] = (1 + regathered) * frozen_param_bytes * (n - 1) / n * s.grad_accum
+    gathered, last_block = _gathered_bytes(m, s)
+    regathered = 0.0 if s.strategy == "zero2" else gathered - last_block
+    out["all_gather"] = (gathered + regathered) * (n - 1) / n * s.grad_accum
     out["reduce_scatter"] = trainable * 4.0 * (n - 1) / n * s.grad_accum
     replicas = w // n
     if replicas > 1:
         out["all_reduce"] = 2 * trainable * 4.0 / n * (replicas - 1) / replicas
     return out
+
+
+def _gathered_bytes(m: ModelShape, s: Setting) -> tuple[float, float]:
+    """(what FSDP2 all-gathers once, the last decoder block's share of it) in bytes: every parameter it manages, in
+    the compute dtype (NF4 weights as NF4). parallel.shard_frozen=false leaves the compute-dtype frozen weights
+    out: the adapters (and NF4 weights) remain, all inside the blocks."""
+    p, adapters = s.compute_bytes, (m.lora_params if s.peft != "none" else 0.0) * s.compute_bytes
+    nf4 = m.target_params * NF4_BYTES if s.peft == "qlora" else 0.0
+    if s.frozen_local:
+        return adapters + nf4, (adapters + nf4) / m.layers
+    base = m.params * p - (m.target_params * (p - NF4_BYTES) if s.peft == "qlora" else 0.0)
+    block = m.block_params * p - (m.target_params / m.layers * (p - NF4_BYTES) if s.peft == "qlora" else 0.0)
+    return base + adapters, block + adapters / m.layers
 
 
 def comm_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
@@ -191,7 +210,8 @@ def gather_copy_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     if s.backend != "fsdp2" or s.strategy == "ddp":
         return 0.0
     gathers = 1 if s.strategy == "zero2" else 2
-    return gathers * s.grad_accum * 2 * m.params * s.compute_bytes / hw.hbm_bytes_per_s
+    copied = m.lora_params if s.frozen_local else m.params  # parallel.shard_frozen: false copies the adapters only
+    return gathers * s.grad_accum * 2 * copied * s.compute_bytes / hw.hbm_bytes_per_s
 
 
 def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
