@@ -4,10 +4,10 @@
     python bench/peft_bench.py --size 8b --runs lora:1,lora:1:lg --baselines lora:1,lora:1:lg --steps 40
     python bench/peft_bench.py --size tiny --runs lora:2,qlora:2 --baselines lora:1     # CPU plumbing
 
-A run is METHOD:NPROC[:c][:lg|:lgl][:sel] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
+A run is METHOD:NPROC[:c][:lg|:lgl][:sel][:sf] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
 model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline; lgl: model.liger=loss, Liger's
 fused linear + cross-entropy only, shardtune runs only; sel: shardtune's selective activation checkpointing
-instead of full).
+instead of full; sf: parallel.shard_frozen=false, the frozen base kept out of FSDP2).
 Every step is timed (shardtune log.every=1); rows are the median over the steps after --warmup with min-max.
 shardtune: the preset of --size, long random text (full rows), seq 2048,
 micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
@@ -35,11 +35,12 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
 
 def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int,
                   compile_blocks: bool = False, liger: bool | str = False, warmup: int = 10, ac: str = "full",
-                  extra: tuple[str, ...] = ()) -> dict:
+                  extra: tuple[str, ...] = (), local: bool = False) -> dict:
     preset, seq, prec = PRESETS[size]
     tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + \
         {False: "", True: "_lg", "loss": "_lgl"}[liger] + \
-        ("_sel" if ac == "selective" else "")
+        ("_sel" if ac == "selective" else "") + ("_sf" if local else "")
+    extra = (*extra, "parallel.shard_frozen=false") if local else extra
     run_dir = out / f"st_{tag}"
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
            f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
@@ -51,7 +52,7 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
     proc = _run(cmd)
     (out / f"st_{tag}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     result = {"who": "shardtune", "method": _label(method, compile_blocks, liger) + ("+sel" if ac == "selective"
-                                                                                    else ""),
+                                                                                    else "") + ("+sf" if local else ""),
               "nproc": nproc, "rc": proc.returncode}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
@@ -102,15 +103,15 @@ def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess
         return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + "\nTIMEOUT")
 
 
-def _pairs(spec: str) -> list[tuple[str, int, bool, bool | str, str]]:
-    """'lora:1,qlora:2:c:lg:sel' -> [('lora', 1, False, False, 'full'), ('qlora', 2, True, True, 'selective')]
-    (c: compile each block; lg: Liger-Kernel; lgl: its fused loss only; sel: selective activation checkpointing,
-    shardtune only)."""
+def _pairs(spec: str) -> list[tuple[str, int, bool, bool | str, str, bool]]:
+    """'lora:1,qlora:2:c:lg:sel' -> [('lora', 1, False, False, 'full', False), ('qlora', 2, True, True, 'selective',
+    False)] (c: compile each block; lg: Liger-Kernel; lgl: its fused loss only; sel: selective activation
+    checkpointing; sf: parallel.shard_frozen=false; the last two shardtune only)."""
     out = []
     for item in filter(None, spec.split(",")):
         method, n, *flags = item.split(":")
         liger = "loss" if "lgl" in flags else "lg" in flags
-        out.append((method, int(n), "c" in flags, liger, "selective" if "sel" in flags else "full"))
+        out.append((method, int(n), "c" in flags, liger, "selective" if "sel" in flags else "full", "sf" in flags))
     return out
 
 
@@ -145,7 +146,7 @@ def main() -> None:
     if args.first == "shardtune":
         jobs.sort(key=lambda j: j[0] != "shardtune")
     start = time.monotonic()
-    for who, method, n, compile_blocks, liger, ac in jobs:
+    for who, method, n, compile_blocks, liger, ac, local in jobs:
         left = args.budget - (time.monotonic() - start)
         if args.budget and left < args.min_run:
             print(f"skipped {who} {_label(method, compile_blocks, liger)}: {left:.0f} s of the budget left")
@@ -156,7 +157,7 @@ def main() -> None:
             results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs, liger, args.warmup))
         else:
             results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks,
-                                         liger, args.warmup, ac, tuple(shlex.split(args.extra))))
+                                         liger, args.warmup, ac, tuple(shlex.split(args.extra)), local))
         print(json.dumps(results[-1]), flush=True)
         # Written after every run: a call that runs out of time still leaves what it measured.
         (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
