@@ -450,3 +450,18 @@ def test_shard_frozen_false_is_refused_where_it_does_not_apply() -> None:
     with pytest.raises(ShardtuneError, match=r"parallel\.shard_frozen: false is FSDP2's"):
         check_combination(load_config(tiny, ["parallel.backend=deepspeed", "parallel.shard_frozen=false"]))
     check_combination(load_config(tiny, ["parallel.strategy=zero2", "parallel.shard_frozen=false"]))
+
+
+def test_a_refusal_names_the_fused_loss_when_the_logits_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """8B QLoRA at 131,072 tokens: the plain loss's logits alone (188 GiB per sequence) exceed an H200. The one
+    line says Liger's fused loss never makes them, and no PEFT method (it is QLoRA already)."""
+    args = ["validate", "bench/bench.yaml", "data.train_file=examples/data/tasks.jsonl", "model.preset=llama-3.1-8b",
+            "train.seq_len=131072", "train.micro_batch_size=1", "peft.method=qlora", "model.liger=false",
+            "parallel.activation_checkpointing=full", "--gpu", "h200"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "model.liger=loss (Liger's fused loss never makes the 188 GiB of logits" in err and "peft" not in err
+    assert err.count("\n") == 1
+    assert main(["plan", *args[1:-2], "model.liger=loss", "--gpu", "h200"]) == 0  # with it, it fits (it trained,
+    config = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("config"))  # 2026-12-04)
+    assert config.endswith(", fits")

@@ -252,10 +252,29 @@ def refusal(plan: Plan) -> str | None:
     if len(fixes) < 2:
         fixes = (fixes + _smaller_micro_batches(plan))[:2]
     if not fixes:
-        return f"{head}: nothing the planner tried fits; use more GPUs, peft.method=lora or qlora, or --force"
+        return f"{head}: nothing the planner tried fits; use more GPUs{_peft_hint(plan)}{logits_hint(plan)}, or --force"
     said = [" ".join(f"{k}={v}" for k, v in diff.items()) + f" fits ({c.memory.total / GIB:.0f} GiB)"
             for diff, c in fixes]
     return f"{head}: {', or '.join(said)}; --force runs anyway"
+
+
+def _peft_hint(plan: Plan) -> str:
+    peft = plan.configured.setting.peft
+    return {"none": ", peft.method=lora or qlora", "lora": ", peft.method=qlora"}.get(peft, "")
+
+
+def logits_hint(plan: Plan) -> str:
+    """", model.liger=loss ..." when the plain loss's logits are a fifth or more of the leanest candidate's memory
+    (long sequences, large vocabularies) and Liger's fused loss, which never makes them, applies to the model."""
+    from shardtune.models.liger_rules import LIGER_MODEL_TYPES
+
+    leanest = min(plan.result.candidates or [plan.configured], key=lambda c: c.memory.total)
+    logits = leanest.memory.terms.get("logits", 0.0)
+    if leanest.setting.fused_loss_runs or plan.shape.model_type not in LIGER_MODEL_TYPES or \
+            logits < 0.2 * leanest.memory.allocated:
+        return ""
+    return (f", model.liger=loss (Liger's fused loss never makes the {logits / GIB:.0f} GiB of logits; "
+            "pip install liger-kernel)")
 
 
 def _smaller_micro_batches(plan: Plan) -> list[tuple[dict[str, Any], Candidate]]:
@@ -287,8 +306,8 @@ def resolve_auto(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_nod
     plan = make_plan(cfg, hf_config, hw, world=world, per_node=per_node)
     if plan.auto and plan.pick is None and not force:
         raise ShardtuneError(f"{', '.join(plan.auto)}: auto, but no way to run this config fits on {hw.name} "
-                             f"({hw.memory_bytes / GIB:.0f} GiB per GPU); use more GPUs, peft.method=lora or qlora, "
-                             "a shorter train.seq_len, or set the strategy and --force")
+                             f"({hw.memory_bytes / GIB:.0f} GiB per GPU); use more GPUs{_peft_hint(plan)}"
+                             f"{logits_hint(plan)}, a shorter train.seq_len, or set the strategy and --force")
     if hardware is not None and not force:
         line = refusal(plan)
         if line:
