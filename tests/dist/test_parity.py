@@ -21,11 +21,13 @@ LORA_BF16 = "zero3:lora:bf16"
 
 
 @pytest.fixture(scope="module")
-def results(fsdp2_runs, tmp_path_factory):
+def results(fsdp2_runs, tmp_path_factory, micro_model_dir):
     refs, two = fsdp2_runs  # the 1- and 2-process launches (tests/conftest.py), shared with test_deepspeed.py
     two = dict(two)
     # HSDP: 2 groups of 2 processes, each group holding one sharded copy (global batch 8 as above).
-    two["_four"] = worker_results(tmp_path_factory.mktemp("parity") / "four", 4, 1, ["hsdp:s2", "hsdp:s2:qlora"])
+    two["_four"] = worker_results(tmp_path_factory.mktemp("parity") / "four", 4, 1,
+                                  ["hsdp:s2", "hsdp:s2:qlora", "hsdp:s2:lora:local"],
+                                  {"SHARDTUNE_TEST_MODEL_DIR": str(micro_model_dir)})  # LoRA's adapter check
     two["_ref_packed"] = refs["ddp:packed"]
     two["_ref_lora"] = refs["ddp:lora"]
     two["_ref_qlora"] = refs["ddp:qlora"]
@@ -171,7 +173,8 @@ def test_frozen_weights_outside_fsdp2_train_as_inside(results):
     """parallel.shard_frozen=false: the frozen base stays whole on every rank, outside FSDP2 (plain tensors; the
     adapters are its DTensors), and training is the single-process LoRA run's to the gradient, on 1 and 2
     processes; the saved adapter loads in PEFT. In bf16 the base is the FSDP2-managed bf16 run's; QLoRA on 2
-    processes keeps its NF4 weights with FSDP2 (sharded) and the rest of its frozen weights out."""
+    processes keeps its NF4 weights with FSDP2 (sharded) and the rest of its frozen weights out; HSDP on 4 processes
+    (2 groups of 2) trains the same."""
     two = results[1]
     for run in (two["zero3:lora:local"], two["_one_lora_local"]):
         assert_same_gradients(two["_ref_lora"], run)
@@ -181,6 +184,9 @@ def test_frozen_weights_outside_fsdp2_train_as_inside(results):
     bf16 = two["zero3:lora:bf16:local"]
     assert bf16["dtypes"]["frozen"] == ["bfloat16"] and bf16["sharding"]["frozen_dtensors"] == 0
     assert max_diff(two["zero3:lora:bf16"]["losses"], bf16["losses"]) < 1e-6
+    hsdp = two["_four"]["hsdp:s2:lora:local"]  # a (replicate, shard) mesh: the same, adapters on both dims
+    assert_same_gradients(two["_ref_lora"], hsdp)
+    assert hsdp["sharding"]["frozen_dtensors"] == 0 and hsdp["sharding"]["mesh"] == ["(2, 2)"]
     qlora = two["zero3:qlora:local"]
     assert_same_gradients(two["_ref_qlora"], qlora)
     assert 0 < qlora["sharding"]["frozen_dtensors"] == qlora["nf4_params"] < qlora["sharding"]["frozen"]
