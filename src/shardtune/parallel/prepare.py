@@ -135,7 +135,6 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
     offload = ActivationOffload(device_type, min_bytes)
 
     def start(*_: Any) -> None:  # a pre-hook's return value would replace the forward's arguments
-        offload.copies.clear()
         offload.__enter__()
 
     def stop(*_: Any) -> None:  # the graph holds the copies; the table of them is only for this forward

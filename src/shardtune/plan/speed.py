@@ -147,10 +147,7 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
         return {}
     p = s.compute_bytes
     trainable = m.params if s.peft == "none" else m.lora_params
-    frozen_param_bytes = m.params * p if s.peft != "qlora" else m.target_params * NF4_BYTES + \
-        (m.params - m.target_params) * p
-    if s.peft != "none":
-        frozen_param_bytes += m.lora_params * p  # the adapters, gathered in the compute dtype too
+    gathered, last_block = _gathered_bytes(m, s)
     out: dict[str, float] = {}
     if s.backend == "deepspeed":
         if s.strategy in ("ddp", "zero1"):
@@ -160,12 +157,11 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
         if s.strategy in ("zero1", "zero2"):
             out["all_gather"] = trainable * p * (w - 1) / w
         if s.strategy == "zero3":
-            out["all_gather"] = 2 * frozen_param_bytes * (w - 1) / w * s.grad_accum
+            out["all_gather"] = 2 * gathered * (w - 1) / w * s.grad_accum
         return out
     if s.strategy == "ddp":
         return {"all_reduce": 2 * trainable * 4.0 * (w - 1) / w}
     n = s.param_shards()
-    gathered, last_block = _gathered_bytes(m, s)
     regathered = 0.0 if s.strategy == "zero2" else gathered - last_block
     out["all_gather"] = (gathered + regathered) * (n - 1) / n * s.grad_accum
     out["reduce_scatter"] = trainable * 4.0 * (n - 1) / n * s.grad_accum
@@ -176,9 +172,9 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
 
 
 def _gathered_bytes(m: ModelShape, s: Setting) -> tuple[float, float]:
-    """(what FSDP2 all-gathers once, the last decoder block's share of it) in bytes: every parameter it manages, in
-    the compute dtype (NF4 weights as NF4). parallel.shard_frozen=false leaves the compute-dtype frozen weights
-    out: the adapters (and NF4 weights) remain, all inside the blocks."""
+    """(what FSDP2 / ZeRO-3 all-gathers once, the last decoder block's share of it) in bytes: every parameter it
+    manages, in the compute dtype (NF4 weights as NF4). parallel.shard_frozen=false leaves the compute-dtype frozen
+    weights out: the adapters (and NF4 weights) remain, all inside the blocks."""
     p, adapters = s.compute_bytes, (m.lora_params if s.peft != "none" else 0.0) * s.compute_bytes
     nf4 = m.target_params * NF4_BYTES if s.peft == "qlora" else 0.0
     if s.frozen_local:
