@@ -122,6 +122,15 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("8b-lora-zero3-mb2", "8b-lora-noac", [*EIGHT_B, "peft.method=lora", "parallel.strategy=zero3",
                                                "train.micro_batch_size=2"]),
     ],
+    # 2026-12-04 (sixteenth session), bench/table2.sh and peft_bench.py --size 70b: the frozen base kept whole
+    # (parallel.shard_frozen=false; since then what `auto` does on one process).
+    "h": [
+        (f"{size}-{method}-mb2-ac-compile-ligerloss-sf", f"{size}-{method}",
+         [f"model.preset=llama-3-{size[:-1]}b", f"peft.method={method}", "parallel.strategy=zero3",
+          "train.micro_batch_size=2", "parallel.compile=true", "parallel.activation_checkpointing=full",
+          "model.liger=loss", "parallel.shard_frozen=false"])
+        for size, method in (("8b", "lora"), ("8b", "qlora"), ("70b", "qlora"))
+    ],
     "tiny": [
         ("tiny-zero2", "tiny", ["model.preset=tiny-llama", "parallel.strategy=zero2", "train.micro_batch_size=2",
                                 "train.seq_len=256"]),

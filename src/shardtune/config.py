@@ -147,13 +147,15 @@ class ParallelConfig(_Section):
                            "each block's input, which bounds the longest trainable sequence. fsdp2 only; not with "
                            "compile. Under parallel.strategy: auto the planner turns it on where nothing fits "
                            "without it.")
-    shard_frozen: bool = Field(
-        True, description="FSDP2 manages the frozen base weights stored in the compute dtype (LoRA's base, QLoRA's "
-                          "embeddings and norms) like the others: sharded over the processes and gathered for each "
-                          "block. false keeps them whole on every GPU, outside FSDP2: no all-gather of them (nor its "
-                          "copy on one GPU) and no gathered root while a fused loss runs, for their whole size on "
-                          "every GPU (what one GPU holds anyway). Frozen weights in another dtype (peft.base_dtype: "
-                          "fp32 under bf16) stay with FSDP2, which casts them. zero2 / zero3 / hsdp.")
+    shard_frozen: bool | Literal["auto"] = Field(
+        "auto", description="Whether FSDP2 manages the frozen base weights stored in the compute dtype (LoRA's base, "
+                            "QLoRA's embeddings and norms) like the others: sharded over the processes and gathered "
+                            "for each block. false keeps them whole on every GPU, outside FSDP2: no all-gather of "
+                            "them (nor its copy on one GPU) and no gathered root while a fused loss runs, for their "
+                            "whole size on every GPU. auto: false on one process (nothing to shard there; measured "
+                            "faster and smaller), true on several (the trade is not measured yet). Frozen weights in "
+                            "another dtype (peft.base_dtype: fp32 under bf16) stay with FSDP2, which casts them. "
+                            "zero2 / zero3 / hsdp.")
     offload: Literal["none", "optimizer", "params"] = Field(
         "none", description="DeepSpeed ZeRO-Offload: optimizer states (optimizer), or parameters and optimizer "
                             "states (params, zero3 only), kept in CPU memory (or on NVMe, see offload_nvme_path).")

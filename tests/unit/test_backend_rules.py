@@ -28,7 +28,7 @@ def _allowed(key: str) -> set[str]:
     section, name = key.split(".")
     model = type(getattr(_cfg(), section))
     annotation = model.model_fields[name].annotation
-    if annotation is bool:  # SUPPORT_KEYS reads a switch as "true" / "false"
+    if annotation is bool or bool in typing.get_args(annotation):  # SUPPORT_KEYS reads a switch as "true" / "false"
         return {"false", "true"}
     return set(typing.get_args(annotation)) - {"auto"}
 

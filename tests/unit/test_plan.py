@@ -452,6 +452,27 @@ def test_shard_frozen_false_is_refused_where_it_does_not_apply() -> None:
     check_combination(load_config(tiny, ["parallel.strategy=zero2", "parallel.shard_frozen=false"]))
 
 
+def test_shard_frozen_auto_keeps_the_base_whole_on_one_process_only() -> None:
+    """parallel.shard_frozen: auto (the default) is false on one process (measured faster and smaller on one H200)
+    and true on several; the planner prices what the engine will run, and an explicit value wins. DeepSpeed takes
+    auto (it has nothing to keep whole) and ddp takes it (every weight is whole anyway)."""
+    from shardtune.parallel import check_combination
+    from shardtune.parallel.fsdp2 import frozen_whole
+    from shardtune.plan.setting import setting_from_config
+
+    tiny = "examples/tiny.yaml"
+    cfg = load_config(tiny, ["peft.method=lora"])
+    assert cfg.parallel.shard_frozen == "auto"
+    assert frozen_whole(cfg.parallel, 1) and not frozen_whole(cfg.parallel, 2)
+    assert setting_from_config(cfg, 1, 1).frozen_local and not setting_from_config(cfg, 8, 8).frozen_local
+    for value, world, whole in (("true", 1, False), ("false", 8, True)):
+        explicit = load_config(tiny, ["peft.method=lora", f"parallel.shard_frozen={value}"])
+        assert frozen_whole(explicit.parallel, world) is whole
+        assert setting_from_config(explicit, world, world).frozen_local is whole
+    for extra in (["parallel.strategy=ddp"], ["parallel.backend=deepspeed"]):
+        check_combination(load_config(tiny, ["peft.method=lora", *extra]))
+
+
 def test_a_refusal_names_the_fused_loss_when_the_logits_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     """8B QLoRA at 131,072 tokens: the plain loss's logits alone (188 GiB per sequence) exceed an H200. The one
     line says Liger's fused loss never makes them, and no PEFT method (it is QLoRA already)."""

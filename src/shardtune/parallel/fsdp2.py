@@ -29,6 +29,16 @@ def uses_sharded_scaler(parallel: ParallelConfig, precision: str) -> bool:
     return precision == "fp16" and parallel.strategy != "ddp"
 
 
+def frozen_whole(parallel: ParallelConfig, world: int) -> bool:
+    """Whether the frozen compute-dtype weights stay whole on every process, outside FSDP2
+    (parallel.shard_frozen; auto: on one process, where sharding them saves nothing and costs a copy per
+    block and a gathered root, measured on one H200 (bench/RESULTS.md 2026-12-04, calls 38-40); `world`: every
+    process of the job."""
+    if parallel.shard_frozen == "auto":
+        return world == 1
+    return not parallel.shard_frozen
+
+
 def hsdp_shard_size(parallel: ParallelConfig, world: int, per_node: int) -> int:
     """parallel.shard_size (auto = `per_node`, the processes of one node); it must divide the `world`
     processes into equal groups."""
@@ -75,7 +85,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("parallel.activation_offload: true with parallel.strategy=ddp would move autocast's "
                              "compute-dtype copies of the weights with the activations; set parallel.strategy=zero2 "
                              "or zero3 (one GPU runs them as fast), or parallel.activation_offload=false")
-    if not p.shard_frozen and p.strategy == "ddp":
+    if p.shard_frozen is False and p.strategy == "ddp":
         raise ShardtuneError("parallel.shard_frozen: false keeps frozen weights out of FSDP2's sharding, which "
                              "parallel.strategy=ddp does not do (every weight is whole); set parallel.strategy=zero2 "
                              "or zero3, or parallel.shard_frozen=true")

@@ -25,7 +25,7 @@ from shardtune.fileio import jsonable
 from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.weights import WeightSource, load_weights
 from shardtune.parallel.base import DTYPES, LossFn, OptimizerFactory
-from shardtune.parallel.fsdp2 import hsdp_shard_size, uses_sharded_scaler
+from shardtune.parallel.fsdp2 import frozen_whole, hsdp_shard_size, uses_sharded_scaler
 from shardtune.parallel.prepare import ActivationOffload, checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
 
@@ -106,7 +106,7 @@ class FSDP2Backend:
         # leaves the NF4 weights alone (plain frozen parameters, moved to the device by load_weights)
         # and still does the mixed precision of the rest (no autocast: QLoRA's fast path on one GPU).
         ignored = {p for p in model.parameters() if is_nf4(p)} if self.ctx.world == 1 else set()
-        if not self.parallel.shard_frozen:  # whole on every GPU, used as they are: no gather, no copy
+        if frozen_whole(self.parallel, self.ctx.world):  # whole on every GPU, used as they are: no gather, no copy
             ignored |= {p for p in model.parameters()
                         if not p.requires_grad and p.dtype == self.compute_dtype and not is_nf4(p)}
         for i, block in enumerate(blocks):

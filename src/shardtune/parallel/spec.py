@@ -22,7 +22,8 @@ SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
     "optim.name": lambda cfg: cfg.optim.name,
     "train.precision": lambda cfg: cfg.train.precision,
     "parallel.activation_offload": lambda cfg: "true" if cfg.parallel.activation_offload else "false",
-    "parallel.shard_frozen": lambda cfg: "true" if cfg.parallel.shard_frozen else "false",
+    # auto is checked as true: where it keeps weights whole (fsdp2 on one process) explicit false runs too
+    "parallel.shard_frozen": lambda cfg: "false" if cfg.parallel.shard_frozen is False else "true",
 }
 
 

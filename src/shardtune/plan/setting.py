@@ -20,7 +20,7 @@ class Setting:
     nvme: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
-    shard_frozen: bool = True  # parallel.shard_frozen: FSDP2 manages the frozen compute-dtype weights
+    shard_frozen: bool = True  # parallel.shard_frozen, resolved (auto: false on one process)
     compile: bool = False
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -100,12 +100,13 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
     kernels go in as models.liger_rules.liger_kernels_wanted says."""
     from shardtune.models.liger_rules import liger_kernels_wanted
+    from shardtune.parallel.fsdp2 import frozen_whole
 
     p, t = cfg.parallel, cfg.train
     return Setting(
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
-        activation_offload=p.activation_offload, shard_frozen=p.shard_frozen,
+        activation_offload=p.activation_offload, shard_frozen=not frozen_whole(p, world),
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,
