@@ -190,6 +190,10 @@ def test_frozen_weights_outside_fsdp2_train_as_inside(results):
     qlora = two["zero3:qlora:local"]
     assert_same_gradients(two["_ref_qlora"], qlora)
     assert 0 < qlora["sharding"]["frozen_dtensors"] == qlora["nf4_params"] < qlora["sharding"]["frozen"]
+    # The default, parallel.shard_frozen: auto, keeps them whole on one process and sharded on two.
+    one, sharded = two["_one_zero3_qlora"]["sharding"], two["zero3:qlora"]["sharding"]
+    assert one["frozen"] > 0 and one["frozen_dtensors"] == 0
+    assert sharded["frozen_dtensors"] == sharded["frozen"] > 0
 
 
 def test_adamw8bit_sharded_close_to_unsharded_and_to_adamw(results):
