@@ -103,7 +103,11 @@ def _legend(ax: Any) -> None:
 
 def _save(fig: Any, path: Path) -> bool:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
+    for ax in fig.axes:  # steps are whole numbers (the communication plot's x axis names collectives)
+        if ax.get_xlabel().startswith("optimizer step"):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
@@ -144,7 +148,7 @@ def plot_throughput(runs: list[RunData], path: Path) -> bool:
             axes[1].plot(steps, [100 * m for m in mfu], color=f"C{i}", marker=".", label=run.name)
         predicted = run.plan.get("chosen", {}).get("tokens_per_sec_per_gpu")
         if predicted and run.plan.get("hardware", {}).get("name") != "cpu":  # CPU rates only rank candidates
-            top.axhline(predicted, color=f"C{i}", linestyle=":", label=f"{run.name} planner")
+            top.axhline(predicted, color=f"C{i}", linestyle=":", label=f"{run.name}: planner's prediction")
     top.set(title="Throughput" + ("" if has_mfu else " (no MFU: no peak FLOP rate known for this device)"),
             ylabel="tokens/s per device")
     if has_mfu:
@@ -175,10 +179,12 @@ def plot_memory(runs: list[RunData], path: Path) -> bool:
         chosen, hw = run.plan.get("chosen", {}), run.plan.get("hardware", {})
         if chosen.get("memory_gib", {}).get("allocated") is not None:
             ax.axhline(chosen["memory_gib"]["allocated"], color=color, linestyle=":",
-                       label=f"{run.name} planner (allocated)")
+                       label=f"{run.name}: planner's prediction (allocated)")
         if hw.get("memory_gib") and hw.get("name") != "cpu":  # a CPU's 'capacity' is host RAM: off the scale
             ax.axhline(hw["memory_gib"], color="black", linewidth=2, label=f"{hw.get('name')} capacity")
-    ax.set(title="Peak memory per rank (on CPU: process resident set)", xlabel="optimizer step", ylabel="GiB")
+    on_cpu = all(r.plan.get("hardware", {}).get("name") == "cpu" for r in runs)
+    ax.set(title="Peak memory per rank" + (" (a CPU run: the process's resident set)" if on_cpu else ""),
+           xlabel="optimizer step", ylabel="GiB")
     ax.grid(alpha=0.3)
     _legend(ax)
     return _save(fig, path)
@@ -215,7 +221,9 @@ def plot_checkpoints(runs: list[RunData], path: Path) -> bool:
         ax.plot(*_series(run.train, "checkpoint_s"), color=f"C{i}", marker="o", linestyle="none", label=run.name)
     ax.set(title="Time the loop waited for checkpoint saves", xlabel="optimizer step (logged interval's end)",
            ylabel="seconds")
-    ax.set_ylim(bottom=0)
+    waits = [w for r in runs for w in _series(r.train, "checkpoint_s")[1]]
+    ax.set_ylim(0, 1.15 * max(waits))  # room above the longest wait's marker
+    ax.set_xlim(0, 1.02 * max(step for r in runs for step in _series(r.train, "loss")[0] or [1]))  # the whole run
     ax.grid(alpha=0.3)
     _legend(ax)
     return _save(fig, path)

@@ -36,6 +36,9 @@ def test_profile_writes_a_chrome_trace_per_rank_for_the_chosen_steps(two):
         table = (out / "profile" / f"rank{rank}.txt").read_text()  # the ops by time, beside the trace
         assert table.startswith("steps 2-3, by self_cpu_time_total") and "aten::mm" in table, table
     assert not (Path(two["zero2"]["output_dir"]) / "profile").exists()  # off unless log.profile is set
+    # Writing the trace after step 3 is left out of step 4's tokens/s and logged as trace_s, on that record only.
+    traced = {r["step"]: r.get("trace_s") for r in _train_records(out)}
+    assert traced[4] > 0 and all(v is None for step, v in traced.items() if step != 4), traced
 
 
 def test_tensorboard_events_hold_every_logged_number(two):
