@@ -478,6 +478,10 @@ def test_shard_frozen_auto_keeps_the_base_whole_on_one_process_only() -> None:
         assert setting_from_config(explicit, world, world).frozen_local is whole
     for extra in (["parallel.strategy=ddp"], ["parallel.backend=deepspeed"]):
         check_combination(load_config(tiny, ["peft.method=lora", *extra]))
+    from shardtune.plan import describe
+
+    assert "frozen base whole on each GPU" in describe(setting_from_config(cfg, 1, 1))  # what `plan` prints
+    assert "frozen" not in describe(setting_from_config(cfg, 2, 2))
 
 
 def test_a_refusal_names_the_fused_loss_when_the_logits_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:

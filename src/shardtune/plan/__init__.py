@@ -89,6 +89,8 @@ def describe(s: Setting) -> str:
                  f"checkpointing {s.activation_checkpointing}")
     if s.activation_offload:
         parts.append("saved activations in host memory")
+    if s.frozen_local:
+        parts.append("frozen base whole on each GPU")
     parts.append(f"micro-batch {s.micro_batch_size}")
     if s.liger_kernels or s.fused_loss_runs:
         parts.append("liger " + " + ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss_runs))
