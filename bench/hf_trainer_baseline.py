@@ -56,6 +56,9 @@ def build(args: argparse.Namespace):
             with _init_device():  # random init on the GPU: minutes faster than on the host for 8B
                 AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(path)
             torch.cuda.empty_cache()
+            # The bf16 model made to be saved (15.0 GiB on the 8B shape) is not the run's: its peak was the
+            # baseline's "peak memory" in every call that made the folder (2026-12-02 to 12-04; 11.2 otherwise).
+            torch.cuda.reset_peak_memory_stats()
         if dist.is_initialized():
             dist.barrier()
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
