@@ -106,20 +106,22 @@ def test_no_package_imports_another_packages_private_names():
 
 
 # Where a backend or strategy name may be compared: the backends themselves and config parsing. The planner's
-# memory and time model (plan/) prices each strategy of each backend; its per-backend facts belong in the
-# backends' specs, which is not done yet.
+# memory and time model (plan/) prices each strategy by name (zero2 gathers once, zero3 twice: generic ZeRO
+# facts), but never asks which backend it prices: what differs between backends is in plan/backends.py, one
+# class per backend, reached through Setting.rules.
 NAME_CHECKS_ALLOWED = ("parallel/", "config.py", "plan/")
+BACKEND_CHECKS_ALLOWED = ("parallel/", "config.py")
 _KEYS = {"backend", "strategy"}
 
 
-def _names_a_key(node: ast.AST) -> bool:
+def _names_a_key(node: ast.AST, keys: set[str] = _KEYS) -> bool:
     """cfg.parallel.backend, p.strategy, x["strategy"], x.get("backend", ...)"""
     if isinstance(node, ast.Attribute):
-        return node.attr in _KEYS
+        return node.attr in keys
     if isinstance(node, ast.Subscript):
-        return isinstance(node.slice, ast.Constant) and node.slice.value in _KEYS
+        return isinstance(node.slice, ast.Constant) and node.slice.value in keys
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
-        return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in _KEYS
+        return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in keys
     return False
 
 
@@ -131,13 +133,13 @@ def _is_name_literal(node: ast.AST) -> bool:
     return False
 
 
-def name_checks(tree: ast.Module) -> list[int]:
-    """Lines comparing a backend or strategy with a name (==, !=, in, not in)."""
+def name_checks(tree: ast.Module, keys: set[str] = _KEYS) -> list[int]:
+    """Lines comparing a backend or strategy (`keys`) with a name (==, !=, in, not in)."""
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            if any(_names_a_key(s) for s in sides) and any(_is_name_literal(s) for s in sides):
+            if any(_names_a_key(s, keys) for s in sides) and any(_is_name_literal(s) for s in sides):
                 lines.append(node.lineno)
     return sorted(lines)
 
@@ -156,3 +158,13 @@ def test_only_the_backends_ask_which_backend_or_strategy_a_run_has():
             found += [f"{rel}:{line}" for line in name_checks(tree)]
     assert not found, "backend / strategy checks outside parallel/ (move them into the backend's spec):\n" + \
         "\n".join(found)
+
+
+def test_only_the_backends_ask_which_backend_a_run_has():
+    """DESIGN.md: no `backend == "..."` outside parallel/ (the planner too: plan/backends.py dispatches by class)."""
+    found = []
+    for path, _, tree in _sources():
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(BACKEND_CHECKS_ALLOWED):
+            found += [f"{rel}:{line}" for line in name_checks(tree, {"backend"})]
+    assert not found, "backend checks outside parallel/:\n" + "\n".join(found)

@@ -181,7 +181,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     t.micro_batch_size = s.micro_batch_size
     if s.strategy != "hsdp":
         p.shard_size = "auto"
-    if s.backend != "deepspeed":
+    if not s.rules.keeps_deepspeed_section:
         new.deepspeed = {}
     return new
 

@@ -99,10 +99,7 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
         total += (4 + p) * a * s.seq_len
     if s.compile or s.liger_kernels:
         total -= 8 * h + p * f
-    if s.backend == "fsdp2" and s.strategy == "ddp" and p != 4:
-        # DDP's autocast leaves the residual stream in fp32 (the fp32 embedding's output): each norm keeps
-        # an fp32 normalised copy instead of a compute-dtype one (+2 x (4 - p)h).
-        total += 2 * (4 - p) * h
+    total += s.rules.residual_bytes(m, s)  # DDP's autocast: an fp32 residual stream
     return float(total)
 
 
@@ -230,18 +227,9 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
         frozen = m.target_params * NF4_BYTES / pshards + (m.params - m.target_params) * s.frozen_bytes / local
     else:
         frozen = m.params * s.frozen_bytes / local
-    if s.backend == "deepspeed" and s.peft == "none":
-        stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[s.strategy]
-        p = s.compute_bytes
-        return {
-            "parameters": p * m.params / (s.world if stage == 3 else 1),
-            "master_weights": 4.0 * m.params / oshards if p != 4 else 0.0,
-            # compute-dtype gradients, whole below stage 2 ...
-            "gradients": p * m.params if stage < 2 else p * m.params / s.world,
-            "optimizer": per_optim * m.params / oshards,
-            # ... and the fp32 copy of this rank's partition that the optimizer step makes
-            "fp32_gradients": 4.0 * m.params / oshards if p != 4 else 0.0,
-        }
+    special = s.rules.model_states(m, s)  # DeepSpeed's full fine-tuning keeps compute-dtype weights + masters
+    if special is not None:
+        return special
     return {
         "parameters": 4.0 * trainable / pshards + frozen,
         "master_weights": 0.0,
@@ -251,69 +239,30 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
 
 
 def gathered_parameters(m: ModelShape, s: Setting) -> float:
-    """Unsharded compute-dtype copies alive during forward and backward (bytes).
-
-    FSDP2 zero2 keeps every block gathered from its forward to its backward (the whole model);
-    zero3 / hsdp keep the root (embedding, head, norm: not resharded after forward) and two blocks
-    (the one computing and the one prefetched). DDP runs under autocast, whose cast cache keeps a
-    compute-dtype copy of every weight from forward to backward. DeepSpeed stage 3 keeps up to
-    stage3_prefetch_bucket_size parameters gathered ahead (5e7 here) plus the block in use.
-    With fp32 compute and no sharding nothing is copied. With LoRA the frozen base in the compute dtype
-    is gathered the same way; NF4 weights are dequantised one linear layer at a time.
-    A mesh of one with the frozen base in the compute dtype keeps no gathered block at the peak, but the root's
-    gathered copy (embedding, head) is alive while a fused loss runs: the fused loss runs inside the root's
-    forward (models/liger.install_fused_loss), the plain loss after it, once the root has resharded."""
-    p = s.compute_bytes
+    """Unsharded compute-dtype copies alive during forward and backward (bytes), as the backend keeps them
+    (plan/backends.py: FSDP2's gathered blocks and root, DDP's autocast cache, DeepSpeed stage 3's prefetch).
+    With LoRA the frozen base in the compute dtype is gathered the same way; NF4 weights are dequantised one
+    linear layer at a time."""
     if s.frozen_local:
         return 0.0  # the frozen weights are used where they are; FSDP2 gathers the adapters only (MiB)
-    if s.backend == "fsdp2" and s.param_shards() == 1 and s.strategy != "ddp" and s.peft != "none" and \
-            s.frozen_bytes == p:
-        # Measured on one H200 (8B LoRA and 8B / 70B QLoRA, zero3): without Liger nothing gathered at the peak;
-        # with its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B shape) are
-        # alive at it (log.memory_snapshot of 8B LoRA / QLoRA + Liger, bench/RESULTS.md 2026-12-02, third
-        # session). zero2 keeps each block's gathered frozen base from its forward to its backward: 8B LoRA
-        # zero2 measured 13.1 GiB above this count without it (micro-batch 2; the blocks' bf16 base is 13.0 GiB,
-        # bench/RESULTS.md 2026-12-04). NF4 blocks are not gathered (FSDP2 ignores them).
-        root = float(m.root_params * p) if s.fused_loss_runs else 0.0
-        if s.strategy == "zero2" and s.peft != "qlora":
-            return root + (m.params - m.root_params) * p
-        return root
+    return s.rules.gathered_parameters(m, s, gather_sizes(m, s))
+
+
+def gather_sizes(m: ModelShape, s: Setting) -> tuple[float, float, float]:
+    """(elements of the largest weight dequantised at once, bytes of every gathered weight, bytes of the blocks
+    FSDP2 holds gathered at once: FSDP2_LIVE_BLOCKS). QLoRA dequantises each NF4 linear into one compute-dtype
+    weight at a time, the MLP's the largest, and gathers the rest."""
+    p = s.compute_bytes
     if s.peft == "qlora":
-        # Each NF4 linear is dequantised into one compute-dtype weight at a time; the largest is the MLP's.
-        largest = m.hidden * m.ffn
         whole = (m.params - m.target_params) * p
-        blocks = FSDP2_LIVE_BLOCKS * (m.block_params - m.target_params / m.layers) * p
-    else:
-        largest, whole, blocks = 0, m.params * p, FSDP2_LIVE_BLOCKS * m.block_params * p
-    if s.backend == "deepspeed":
-        if s.strategy != "zero3":
-            return float(largest * p)
-        return min(whole, 5e7 * p + m.block_params * p) + largest * p
-    if s.strategy == "ddp":
-        return 0.0 if p == 4 or s.peft != "none" else whole
-    if s.strategy == "zero2":
-        return whole + largest * p
-    return m.root_params * p + blocks + largest * p
+        return m.hidden * m.ffn, whole, FSDP2_LIVE_BLOCKS * (m.block_params - m.target_params / m.layers) * p
+    return 0.0, m.params * p, FSDP2_LIVE_BLOCKS * m.block_params * p
 
 
 def comm_buffers(m: ModelShape, s: Setting) -> float:
-    """Communication buffers (bytes): DeepSpeed's reduce / all-gather buckets (reduce_bucket_size 5e8
-    elements in the compute dtype, two in flight with overlap_comm) and FSDP2's reduce-scatter input
-    (one block's unsharded fp32 gradients while it is reduced)."""
-    if s.backend == "fsdp2" and s.strategy == "ddp":
-        # DDP's reducer keeps fp32 gradient buckets as large as the trainable parameters (they are not the
-        # gradients' storage: gradient_as_bucket_view is off), even in a group of one.
-        return 4.0 * (m.params if s.peft == "none" else m.lora_params)
-    if s.world == 1 and s.backend == "fsdp2":
-        return 0.0
-    trainable_block = m.block_params if s.peft == "none" else m.lora_params / m.layers
-    if s.backend == "deepspeed":
-        if s.strategy == "ddp":
-            return 0.0
-        if s.world == 1:  # nothing to reduce: DeepSpeed allocates no reduce bucket
-            return 0.0
-        return 2 * min(5e8, m.params) * s.compute_bytes
-    return 4.0 * trainable_block
+    """Communication buffers (bytes), as the backend allocates them (plan/backends.py: DeepSpeed's reduce
+    buckets, FSDP2's reduce-scatter input, DDP's gradient buckets)."""
+    return s.rules.comm_buffers(m, s)
 
 
 def gpu_memory(m: ModelShape, s: Setting) -> Memory:
@@ -329,7 +278,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     buffers = comm_buffers(m, s) + packing_mask_bytes(s)
     # Gradients exist during forward when they accumulate over micro-batches, and under DeepSpeed, whose
     # gradient buffers are allocated once (stage 0-1: the whole model's; stage 3: the partition's flat buffer).
-    grads_in_forward = s.grad_accum > 1 or (s.backend == "deepspeed" and s.strategy != "zero2")
+    grads_in_forward = s.grad_accum > 1 or s.rules.gradients_before_backward(s)
     in_backward = {k: v for k, v in on_gpu.items() if k != "fp32_gradients"}  # made by the optimizer step
     base = {k: v for k, v in in_backward.items() if k != "gradients" or grads_in_forward}
     # Backward frees each block's activations as it makes that block's gradients, so its peak is at one end:

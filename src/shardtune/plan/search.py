@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.parallel import BACKENDS
 from shardtune.plan.memory import GIB, Memory, gpu_memory
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape
@@ -16,8 +17,6 @@ from shardtune.plan.speed import StepTime, step_time
 # Share of the device's memory kept free beyond the prediction (the model's error, other processes).
 SAFETY_MARGIN = 0.05
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-STRATEGIES = {"fsdp2": ("ddp", "zero2", "zero3", "hsdp"), "deepspeed": ("ddp", "zero1", "zero2", "zero3")}
-OFFLOADS = {"fsdp2": ("none",), "deepspeed": ("none", "optimizer", "params")}
 CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "offload": "parallel.offload",
                "activation_checkpointing": "parallel.activation_checkpointing",
                "activation_offload": "parallel.activation_offload", "micro_batch_size": "train.micro_batch_size"}
@@ -76,9 +75,10 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
     capacity = hw.memory_bytes * (1 - SAFETY_MARGIN)
     refused: dict[tuple[str, str, str, bool], str] = {}
     out: list[Candidate] = []
-    for backend, ac, mb, moved in itertools.product(("fsdp2", "deepspeed"), ("none", "selective", "full"),
+    for backend, ac, mb, moved in itertools.product(BACKENDS, ("none", "selective", "full"),
                                                     micro_batches or (base.micro_batch_size,), (False, True)):
-        for strategy, offload in itertools.product(STRATEGIES[backend], OFFLOADS[backend]):
+        declared = BACKENDS[backend].supports  # what the backend's own module says it runs
+        for strategy, offload in itertools.product(declared["parallel.strategy"], declared["parallel.offload"]):
             if strategy == "hsdp" and base.nnodes == 1:
                 continue  # on one node hsdp is zero3
             s = base.replace(backend=backend, strategy=strategy, offload=offload, activation_checkpointing=ac,

@@ -53,11 +53,18 @@ class Setting:
         return PRECISION_BYTES[self.precision if self.base_dtype == "auto" else self.base_dtype]
 
     @property
+    def rules(self) -> Any:
+        """The planner's model of this setting's backend (plan/backends.py)."""
+        from shardtune.plan.backends import RULES
+
+        return RULES[self.backend]
+
+    @property
     def frozen_local(self) -> bool:
-        """parallel.shard_frozen: false where it applies: FSDP2 sharding with a PEFT base stored in the compute
-        dtype, which then stays whole on every GPU, outside FSDP2 (another dtype stays with FSDP2 for its cast)."""
-        return (not self.shard_frozen and self.peft != "none" and self.backend == "fsdp2"
-                and self.strategy != "ddp" and self.frozen_bytes == self.compute_bytes)
+        """parallel.shard_frozen: false where it applies: the backend can keep a PEFT base stored in the compute
+        dtype whole on every GPU (FSDP2's ignored_params; another dtype stays with FSDP2 for its cast)."""
+        return (not self.shard_frozen and self.peft != "none" and self.rules.keeps_frozen_local(self)
+                and self.frozen_bytes == self.compute_bytes)
 
     @property
     def tokens(self) -> int:
@@ -66,24 +73,16 @@ class Setting:
 
     def param_shards(self) -> int:
         """Processes that share one copy of the parameters (1: each holds them whole)."""
-        if self.backend == "deepspeed":
-            return self.world if self.strategy == "zero3" else 1
-        if self.strategy in ("zero2", "zero3"):
-            return self.world
-        if self.strategy == "hsdp":
-            return self.shard_size or self.per_node
-        return 1
+        return self.rules.param_shards(self)
 
     def optim_shards(self) -> int:
         """Processes that share one copy of the optimizer states and fp32 masters."""
-        if self.backend == "deepspeed":
-            return 1 if self.strategy == "ddp" else self.world
-        return self.param_shards()
+        return self.rules.optim_shards(self)
 
     @property
     def fused_loss_runs(self) -> bool:
         """Liger's fused loss is asked for and this backend computes it (DeepSpeed keeps the plain loss)."""
-        return self.fused_loss and self.backend == "fsdp2"
+        return self.fused_loss and self.rules.computes_fused_loss
 
     def replace(self, **changes: Any) -> Setting:
         return dataclasses.replace(self, **changes)

@@ -37,11 +37,6 @@ COMPILE_SPEEDUP = 1.2
 # call), inside compiled blocks 0.85x compiled (its Triton kernels cut Inductor's fusion), the fused loss alone
 # with compiled blocks 0.97x; 8B LoRA with checkpointing 0.96x (6,958 against 7,225 in another call).
 LIGER_EFF = {"eager": 1.17, "compiled": 0.85, "loss": 0.97, "peft": 0.96}
-# DeepSpeed's engine against FSDP2 on the same work, one H200 (zero2: 0.92x, measured with overlap_comm off
-# on one GPU; zero3: 0.71x).
-DEEPSPEED_EFF = {"ddp": 0.92, "zero1": 0.92, "zero2": 0.92, "zero3": 0.71}
-# DDP runs mixed precision through autocast, which casts weights every forward (measured 0.95x of zero2).
-AUTOCAST_EFF = 0.95
 # LoRA's adapter matmuls are small and memory-bound: bytes moved per adapter element per token, at HBM speed.
 LORA_OVERHEAD = 0.1
 # The optimizer step streams every trainable parameter's state: fused AdamW reads fp32 p, g, m, v and writes
@@ -117,10 +112,7 @@ def kernel_efficiency(m: ModelShape, s: Setting) -> float:
     if s.compile:
         eff *= COMPILE_SPEEDUP
     eff *= liger_efficiency(s)
-    if s.backend == "deepspeed":
-        eff *= DEEPSPEED_EFF[s.strategy]
-    elif s.strategy == "ddp" and s.precision != "fp32":
-        eff *= AUTOCAST_EFF
+    eff *= s.rules.efficiency(s)  # the engine against FSDP2 (plan/backends.py: DeepSpeed, DDP's autocast)
     if s.precision == "fp32":
         eff *= FP32_RATE
     return eff
@@ -151,33 +143,9 @@ def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
     parallel.shard_frozen=false it gathers the adapters (and QLoRA's NF4 weights) only. Counted on 2 CPU processes
     to the byte for full fine-tuning and LoRA (QLoRA's NF4 all-gather moves more than its 0.52 bytes per weight:
     not modelled)."""
-    w = s.world
-    if w == 1:
+    if s.world == 1:
         return {}
-    p = s.compute_bytes
-    trainable = m.params if s.peft == "none" else m.lora_params
-    gathered, last_block = _gathered_bytes(m, s)
-    out: dict[str, float] = {}
-    if s.backend == "deepspeed":
-        if s.strategy in ("ddp", "zero1"):
-            out["all_reduce"] = 2 * trainable * p * (w - 1) / w
-        else:
-            out["reduce_scatter"] = trainable * p * (w - 1) / w * s.grad_accum
-        if s.strategy in ("zero1", "zero2"):
-            out["all_gather"] = trainable * p * (w - 1) / w
-        if s.strategy == "zero3":
-            out["all_gather"] = 2 * gathered * (w - 1) / w * s.grad_accum
-        return out
-    if s.strategy == "ddp":
-        return {"all_reduce": 2 * trainable * 4.0 * (w - 1) / w}
-    n = s.param_shards()
-    regathered = 0.0 if s.strategy == "zero2" else gathered - last_block
-    out["all_gather"] = (gathered + regathered) * (n - 1) / n * s.grad_accum
-    out["reduce_scatter"] = trainable * 4.0 * (n - 1) / n * s.grad_accum
-    replicas = w // n
-    if replicas > 1:
-        out["all_reduce"] = 2 * trainable * 4.0 / n * (replicas - 1) / replicas
-    return out
+    return s.rules.comm_bytes(m, s, *_gathered_bytes(m, s))
 
 
 def _gathered_bytes(m: ModelShape, s: Setting) -> tuple[float, float]:
@@ -199,8 +167,7 @@ def comm_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     by_kind = comm_bytes(m, s)
     if not by_kind:
         return 0.0
-    group = s.param_shards() if s.backend == "fsdp2" and s.strategy == "hsdp" else s.world
-    intra = group <= s.per_node
+    intra = s.rules.shard_group(s) <= s.per_node
     seconds = 0.0
     for kind, nbytes in by_kind.items():
         crosses = (not intra) or (kind == "all_reduce" and s.strategy == "hsdp" and s.nnodes > 1)
@@ -212,9 +179,9 @@ def comm_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
 def gather_copy_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     """FSDP2 copies each gathered block in and out of its all-gather buffer (also on a mesh of one, where it
     is the cast to the compute dtype): zero3 twice per micro-batch, zero2 once; through HBM, not hidden."""
-    if s.backend != "fsdp2" or s.strategy == "ddp":
+    gathers = s.rules.copies_gathered(s)
+    if not gathers:
         return 0.0
-    gathers = 1 if s.strategy == "zero2" else 2
     copied = m.lora_params if s.frozen_local else m.params  # parallel.shard_frozen: false copies the adapters only
     return gathers * s.grad_accum * 2 * copied * s.compute_bytes / hw.hbm_bytes_per_s
 
