@@ -155,7 +155,8 @@ PICKS: dict[str, list[str]] = {
     # trade checkpointing for micro-batch.
     "1b-s16384": [*ONE_B, "train.seq_len=16384"],
 }
-KNOBS = ("backend", "strategy", "offload", "activation_checkpointing", "activation_offload", "micro_batch_size")
+KNOBS = ("backend", "strategy", "offload", "activation_checkpointing", "activation_offload", "shard_frozen",
+         "micro_batch_size")
 FAMILY = ("backend", "offload", "activation_checkpointing", "activation_offload")
 
 

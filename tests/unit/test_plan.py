@@ -484,6 +484,40 @@ def test_shard_frozen_auto_keeps_the_base_whole_on_one_process_only() -> None:
     assert "frozen" not in describe(setting_from_config(cfg, 2, 2))
 
 
+def test_the_search_weighs_the_frozen_base_whole_against_sharded_on_several_gpus() -> None:
+    """Under parallel.strategy: auto on 8 GPUs, 8B LoRA (bf16 base): each FSDP2 zero2 / zero3 candidate is priced
+    twice, sharded and whole ("+w"); at micro-batch 2 whole wins (no all-gather of the base: 15 GiB of it per
+    GPU) and the pick carries parallel.shard_frozen=false to the workers. An explicit true keeps it sharded; on
+    one GPU nothing is doubled (auto is whole there)."""
+    from shardtune.models.build import load_hf_config
+    from shardtune.plan import auto_overrides, config_for_auto
+    from shardtune.plan.report import table
+
+    args = ["data.train_file=examples/data/tasks.jsonl", "model.preset=llama-3-8b", "peft.method=lora",
+            "parallel.strategy=auto", "train.micro_batch_size=2"]
+    h100 = lookup("h100")
+
+    def plan_of(*extra: str, world: int = 8):
+        cfg = load_config("bench/bench.yaml", [*args, *extra])
+        return cfg, make_plan(cfg, load_hf_config(cfg.model), h100, world=world, per_node=world)
+
+    cfg, plan = plan_of()
+    kinds = {(c.setting.backend, c.setting.strategy, c.setting.shard_frozen) for c in plan.result.candidates}
+    assert {("fsdp2", "zero3", True), ("fsdp2", "zero3", False), ("fsdp2", "zero2", False)} <= kinds
+    assert ("fsdp2", "ddp", False) not in kinds and ("deepspeed", "zero3", False) not in kinds
+    pick = plan.pick.setting
+    assert not pick.shard_frozen and pick.frozen_local
+    assert plan.pick.memory.terms["parameters"] > 14 * GIB  # the whole bf16 base
+    chosen = config_for_auto(cfg, pick, plan.auto)
+    assert chosen.parallel.shard_frozen is False
+    assert "parallel.shard_frozen=false" in auto_overrides(chosen, plan.auto)
+    assert any("+w" in line for line in table(plan))
+    _, kept = plan_of("parallel.shard_frozen=true")
+    assert kept.pick.setting.shard_frozen and not kept.pick.setting.frozen_local
+    _, one = plan_of(world=1)
+    assert all(not c.setting.shard_frozen for c in one.result.candidates if c.setting.peft != "none")
+
+
 def test_a_refusal_names_the_fused_loss_when_the_logits_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     """8B QLoRA at 131,072 tokens: the plain loss's logits alone (188 GiB per sequence) exceed an H200. The one
     line says Liger's fused loss never makes them, and no PEFT method (it is QLoRA already)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ShardtuneError
+from shardtune.parallel.fsdp2 import frozen_whole
 from shardtune.plan.memory import GIB
 from shardtune.plan.search import (
     MICRO_BATCHES,
@@ -176,6 +177,8 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p, t = new.parallel, new.train
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     p.activation_checkpointing, p.activation_offload = s.activation_checkpointing, s.activation_offload
+    if s.shard_frozen == frozen_whole(p, s.world):  # the candidate is not what the config gives: say it
+        p.shard_frozen = s.shard_frozen
     if s.offload == "none" or not s.nvme:
         p.offload_nvme_path = None
     t.micro_batch_size = s.micro_batch_size
@@ -194,6 +197,8 @@ def free_knobs(cfg: Any) -> set[str]:
         free.add("strategy")
         free |= {k for k in ("backend", "offload", "activation_checkpointing", "activation_offload")
                  if k not in cfg.parallel.model_fields_set}
+        if cfg.parallel.shard_frozen == "auto":
+            free.add("shard_frozen")
     if cfg.train.micro_batch_size == "auto":
         free.add("micro_batch_size")
     return free
@@ -326,6 +331,8 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
         new.parallel.backend, new.parallel.strategy = s.backend, s.strategy
         new.parallel.offload, new.parallel.activation_checkpointing = s.offload, s.activation_checkpointing
         new.parallel.activation_offload = s.activation_offload
+        if s.shard_frozen == frozen_whole(new.parallel, s.world):  # the pick is not what auto gives
+            new.parallel.shard_frozen = s.shard_frozen
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
     return new
@@ -338,7 +345,8 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
         p = cfg.parallel
         out += [f"parallel.backend={p.backend}", f"parallel.strategy={p.strategy}", f"parallel.offload={p.offload}",
                 f"parallel.activation_checkpointing={p.activation_checkpointing}",
-                f"parallel.activation_offload={str(p.activation_offload).lower()}"]
+                f"parallel.activation_offload={str(p.activation_offload).lower()}",
+                f"parallel.shard_frozen={str(p.shard_frozen).lower()}"]
     if "train.micro_batch_size" in auto:
         out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return out

@@ -16,7 +16,9 @@ TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "
          ("gathered_parameters", "gather"), ("activations", "act"), ("logits", "logits"), ("buffers", "buf"))
 
 
-AC_SHORT = {"selective": "sel"}  # the table's checkpointing column: "+h" when the saved activations are on the host
+# The table's checkpointing column: "+h" when the saved activations are on the host; its strategy column: "+w" when
+# the frozen base is whole on each GPU (parallel.shard_frozen: false).
+AC_SHORT = {"selective": "sel"}
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
     rows = [c for c in plan.result.candidates if show_all or c.usable]
@@ -44,7 +46,8 @@ def _row(c: Candidate, mark: str = "") -> str:
     terms = " ".join(f"{mem.terms.get(key, 0.0) / GIB:>6.1f}" for key, _ in TERMS)
     fits = "yes" if c.usable else ("host" if c.fits else "no")
     ac = AC_SHORT.get(s.activation_checkpointing, s.activation_checkpointing) + ("+h" if s.activation_offload else "")
-    return (f"{s.backend:<9} {s.strategy:<8} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
+    strategy = s.strategy + ("+w" if s.frozen_local else "")  # the frozen base whole on each GPU
+    return (f"{s.backend:<9} {strategy:<8} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
             f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "
             f"{c.time.mfu:>6.1%}  {fits} {mark}").rstrip()
 

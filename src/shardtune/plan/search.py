@@ -19,7 +19,8 @@ SAFETY_MARGIN = 0.05
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "offload": "parallel.offload",
                "activation_checkpointing": "parallel.activation_checkpointing",
-               "activation_offload": "parallel.activation_offload", "micro_batch_size": "train.micro_batch_size"}
+               "activation_offload": "parallel.activation_offload", "shard_frozen": "parallel.shard_frozen",
+               "micro_batch_size": "train.micro_batch_size"}
 
 
 @dataclass
@@ -89,11 +90,20 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
             if refused[key]:
                 continue
             out.append(price(m, s, hw, capacity, host_capacity))
+            if _frozen_is_a_trade(s):  # the frozen base whole on every GPU instead, priced beside it
+                out.append(price(m, s.replace(shard_frozen=not s.shard_frozen), hw, capacity, host_capacity))
     configured = price(m, base, hw, capacity, host_capacity)
     usable = [c for c in out if c.usable]
     pick = max(usable, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if usable else None
     out.sort(key=lambda c: (not c.usable, -c.time.tokens_per_sec_per_gpu))
     return Search(out, configured, pick, capacity, host_capacity, {k: v for k, v in refused.items() if v})
+
+
+def _frozen_is_a_trade(s: Setting) -> bool:
+    """parallel.shard_frozen changes this setting and there is more than one GPU to shard over (on one, `auto`
+    keeps the base whole: less memory and faster, measured)."""
+    return (s.world > 1 and s.peft != "none" and s.rules.keeps_frozen_local(s)
+            and s.frozen_bytes == s.compute_bytes)
 
 
 def changes(a: Setting, b: Setting) -> dict[str, Any]:

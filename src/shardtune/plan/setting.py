@@ -91,7 +91,8 @@ class Setting:
         """The searched knobs, for tables and JSON."""
         return {"backend": self.backend, "strategy": self.strategy, "offload": self.offload,
                 "activation_checkpointing": self.activation_checkpointing,
-                "activation_offload": self.activation_offload, "micro_batch_size": self.micro_batch_size}
+                "activation_offload": self.activation_offload, "shard_frozen": self.shard_frozen,
+                "micro_batch_size": self.micro_batch_size}
 
 
 def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = False) -> Setting:
