@@ -147,6 +147,14 @@ class ParallelConfig(_Section):
                            "each block's input, which bounds the longest trainable sequence. fsdp2 only; not with "
                            "compile. Under parallel.strategy: auto the planner turns it on where nothing fits "
                            "without it.")
+    one_gpu: Literal["fsdp2", "direct"] = Field(
+        "fsdp2", description="How zero2 / zero3 run on a single process. fsdp2: FSDP2 on a mesh of one (it still "
+                             "casts each weight into its all-gather buffer and out, and copies the gradients "
+                             "through a one-rank reduce-scatter). direct: no FSDP2; the model holds compute-dtype "
+                             "copies of the trainable weights and the optimizer their fp32 masters, one cast each "
+                             "way per step (as DeepSpeed's bf16 optimizer): the same arithmetic, fewer bytes moved. "
+                             "Checkpoints are the same DCP files (resume on any GPU count). Not with fp16. "
+                             "Experimental: tested on CPU, not yet measured on a GPU.")
     shard_frozen: bool | Literal["auto"] = Field(
         "auto", description="Whether FSDP2 manages the frozen base weights stored in the compute dtype (LoRA's base, "
                             "QLoRA's embeddings and norms) like the others: sharded over the processes and gathered "

@@ -89,6 +89,9 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("parallel.shard_frozen: false keeps frozen weights out of FSDP2's sharding, which "
                              "parallel.strategy=ddp does not do (every weight is whole); set parallel.strategy=zero2 "
                              "or zero3, or parallel.shard_frozen=true")
+    if p.one_gpu == "direct" and cfg.train.precision == "fp16":
+        raise ShardtuneError("parallel.one_gpu: direct keeps fp32 masters without a loss scaler; set "
+                             "train.precision=bf16, or parallel.one_gpu=fsdp2")
     if p.activation_offload and p.compile:
         raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true is not built yet (the "
                              "offload hooks would run inside the compiled blocks); set parallel.compile=false, or "

@@ -66,6 +66,10 @@ class FSDP2Backend:
         # cross-entropy): inside the root forward, so FSDP2 has gathered the LM head for it.
         self.fused_loss = False
         self.activation_offload: ActivationOffload | None = None  # parallel.activation_offload's hooks
+        # parallel.one_gpu: direct — (owner module, attribute, compute-dtype parameter, fp32 master) per place a
+        # trainable weight sits (a tied weight sits in two); the optimizer holds the masters.
+        self.places: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        self.masters: dict[int, nn.Parameter] = {}  # id(compute parameter) -> its master
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -74,9 +78,12 @@ class FSDP2Backend:
         self.activation_offload = checkpoint_and_compile(model, blocks, self.parallel, self.ctx.device.type)
         if self.parallel.strategy == "ddp":
             self._setup_ddp(model, weights)
+        elif self.parallel.one_gpu == "direct" and self.ctx.world == 1:
+            self._setup_direct(model, weights)
         else:
             self._setup_fsdp(model, blocks, weights)
-        self.optimizer = make_optimizer(self.module.named_parameters(), self.ctx.device,
+        named = ((n, self.masters.get(id(p), p)) for n, p in self.module.named_parameters())
+        self.optimizer = make_optimizer(named, self.ctx.device,
                                         sharded_fp16=uses_sharded_scaler(self.parallel, self.precision))
         if self.precision == "fp16":
             self.scaler = self._grad_scaler()
@@ -119,6 +126,59 @@ class FSDP2Backend:
             raise RuntimeError(f"fully_shard left {len(not_sharded)} parameters unsharded, e.g. {not_sharded[:3]}")
         load_weights(model, weights, self.ctx.device)
         self.module = self.model = model
+
+    def _setup_direct(self, model: nn.Module, weights: WeightSource | None) -> None:
+        """parallel.one_gpu: direct on one process: no FSDP2. Each trainable weight stays as its fp32 master (the
+        optimizer's, the checkpoint's, the export's) and the model computes with a compute-dtype copy of it,
+        refreshed once per step; gradients are cast into the masters' fp32 gradients once per micro-batch. On a
+        mesh of one FSDP2 does the same arithmetic through its all-gather and reduce-scatter buffers (a profile
+        of the 1B shape on one H200: ~24 ms of a 155 ms step in copies, bench/RESULTS.md 2026-12-04)."""
+        load_weights(model, weights, self.ctx.device)
+        self.module = self.model = model
+        seen: dict[int, nn.Parameter] = {}
+        for owner in model.modules():
+            for name, master in list(owner._parameters.items()):
+                if master is None or not master.requires_grad or master.dtype == self.compute_dtype:
+                    continue  # frozen, or already in the compute dtype (fp32 runs): used as it is
+                if id(master) not in seen:
+                    seen[id(master)] = nn.Parameter(master.detach().to(self.compute_dtype))
+                    # Each gradient goes to its master as soon as backward has made it, and is freed: at most a
+                    # few compute-dtype gradients are alive, as under FSDP2's per-block reduce-scatter.
+                    seen[id(master)].register_post_accumulate_grad_hook(self._gradient_to_master)
+                compute = seen[id(master)]
+                owner._parameters[name] = compute
+                self.places.append((owner, name, compute, master))
+                self.masters[id(compute)] = master
+
+    @contextlib.contextmanager
+    def _masters_in_place(self) -> Any:
+        """The fp32 masters in the model's attributes for a while (state dicts see what the optimizer holds)."""
+        for owner, name, _, master in self.places:
+            owner._parameters[name] = master
+        try:
+            yield
+        finally:
+            for owner, name, compute, _ in self.places:
+                owner._parameters[name] = compute
+
+    def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        return list({id(c): (c, m) for _, _, c, m in self.places}.values())
+
+    def _gradient_to_master(self, compute: torch.Tensor) -> None:
+        """A compute-dtype gradient into its master's fp32 one (summed over micro-batches in fp32, as FSDP2's
+        reduce_dtype does), then freed."""
+        master = self.masters[id(compute)]
+        if master.grad is None:
+            master.grad = compute.grad.to(torch.float32)
+        else:
+            master.grad.add_(compute.grad)
+        compute.grad = None
+
+    @torch.no_grad()
+    def _masters_to_compute(self) -> None:
+        pairs = self._pairs()
+        if pairs:
+            torch._foreach_copy_([c for c, _ in pairs], [m for _, m in pairs])  # the one cast per step
 
     def _mesh(self) -> Any:
         """1-D over all processes; hsdp: (replicate, shard), so a model copy is sharded over shard_size
@@ -174,7 +234,7 @@ class FSDP2Backend:
     def step(self) -> torch.Tensor:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = clip_grad_norm(list(self.module.parameters()), self.max_grad_norm)
+        norm = clip_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()], self.max_grad_norm)
         # The norm is global, so every rank takes the same decision. fp16's scaler skips overflows itself (and
         # they are routine while it finds its scale); other precisions would write NaN into every weight. The
         # one host read per step costs nothing on a CPU; on a GPU it waits for the step's kernels, which the
@@ -188,6 +248,8 @@ class FSDP2Backend:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.places and not self.step_skipped:
+            self._masters_to_compute()
         return norm
 
     @property
@@ -197,12 +259,15 @@ class FSDP2Backend:
     # ---- checkpoint state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name (sharded DTensors under FSDP2), for DCP."""
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_STATE_OPTIONS)
-        return {"model": _without_frozen_aliases(self.module, model_sd), "optim": optim_sd}
+        with self._masters_in_place():
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_STATE_OPTIONS)
+            return {"model": _without_frozen_aliases(self.module, model_sd), "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_LOAD_OPTIONS)
+        with self._masters_in_place():
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
+        self._masters_to_compute()
 
     def extra_state(self) -> dict[str, Any]:
         """The JSON-able rest: the loss scaler."""
@@ -223,7 +288,7 @@ class FSDP2Backend:
 
     def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
         """Collective for a sharded parameter: its whole tensor on every rank."""
-        t = param.detach()
+        t = self.masters.get(id(param), param).detach()  # parallel.one_gpu: direct exports the fp32 master
         return t.full_tensor() if isinstance(t, DTensor) else t
 
 

@@ -1,0 +1,76 @@
+"""parallel.one_gpu: direct — zero2 / zero3 on one process without FSDP2: compute-dtype copies in the model, fp32
+masters in the optimizer. The same arithmetic as FSDP2 on a mesh of one, so the same losses; the same DCP
+checkpoints, so a run resumes across the two; the fp32 masters are what gets exported. bf16 on one gloo process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import MICRO, ROOT
+from safetensors.torch import load_file
+
+from shardtune.config import load_config
+from shardtune.errors import ShardtuneError
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+# Two micro-batches per step: the masters sum the gradients of both in fp32.
+RUN = [MICRO, "train.precision=bf16", "parallel.strategy=zero2", "train.max_steps=4", "train.grad_accum=2",
+       "log.every=1", "checkpoint.save_dtype=fp32", "--nproc", "1"]
+
+
+def _records(out) -> dict[int, dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r and not r.get("eval")}
+
+
+def _train(cli, out, *extra: str):
+    proc = cli("train", TINY, *RUN, "--output-dir", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _records(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from conftest import run_cli
+
+    base = tmp_path_factory.mktemp("one_gpu")
+    return {mode: (base / mode, _train(run_cli, base / mode, f"parallel.one_gpu={mode}"))
+            for mode in ("fsdp2", "direct")}
+
+
+def test_direct_trains_as_fsdp2_on_a_mesh_of_one(runs):
+    (_, fsdp2), (_, direct) = runs["fsdp2"], runs["direct"]
+    assert sorted(direct) == [1, 2, 3, 4]
+    for step in fsdp2:
+        assert direct[step]["loss"] == pytest.approx(fsdp2[step]["loss"], rel=1e-6, abs=1e-6), step
+        assert direct[step]["grad_norm"] == pytest.approx(fsdp2[step]["grad_norm"], rel=1e-5), step
+    assert fsdp2[4]["loss"] < fsdp2[1]["loss"]  # it trained
+
+
+def test_the_exported_model_is_the_fp32_masters(runs):
+    """Not the bf16 copies the model computed with: the export equals FSDP2's, whose parameters are fp32."""
+    got = load_file(str(runs["direct"][0] / "model" / "model.safetensors"))
+    want = load_file(str(runs["fsdp2"][0] / "model" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert (got[name].float() - want[name].float()).abs().max() <= 1e-6, name
+    assert all(t.dtype.itemsize == 4 for t in got.values())  # fp32: the bf16 copies would differ by ~1e-3
+
+
+def test_a_direct_checkpoint_resumes_under_fsdp2(cli, runs, tmp_path):
+    """The DCP files hold the masters and AdamW's state under the parameters' names, as FSDP2's do."""
+    out = tmp_path / "run"
+    _train(cli, out, "parallel.one_gpu=direct", "train.stop_after_step=2")
+    resumed = _train(cli, out, "parallel.one_gpu=fsdp2", "--resume")
+    full = runs["direct"][1]
+    for step in (3, 4):
+        assert resumed[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6, abs=1e-6), step
+
+
+def test_direct_is_refused_with_fp16() -> None:
+    from shardtune.parallel import check_combination
+
+    with pytest.raises(ShardtuneError, match=r"parallel.one_gpu: direct .*train.precision=bf16"):
+        check_combination(load_config(TINY, ["parallel.one_gpu=direct", "train.precision=fp16"]))
