@@ -13,7 +13,8 @@
 #              _ac = activation checkpointing, _ds = parallel.backend=deepspeed, _oo / _op = DeepSpeed
 #              offload of optimizer states / of parameters too. Default "zero2 zero3 zero2c zero3c" (CPU: "zero2 zero3")
 #              _lg = model.liger=true (Liger-Kernel; needs liger-kernel in .whl), e.g. zero2c_lg;
-#              _lgl = model.liger=loss (Liger's fused linear + cross-entropy only), e.g. zero2c_lgl
+#              _lgl = model.liger=loss (Liger's fused linear + cross-entropy only), e.g. zero2c_lgl;
+#              _dir = parallel.one_gpu=direct (one process without FSDP2), last, e.g. zero2c_lgl_dir
 #   BASELINES  hf_baseline.py modes: hf_ds2 hf_ds3 hf_fsdp fsdp2 fsdp2c hf_mismatch; or hft_ds2, hft_ds3,
 #              hft_ds2_liger, hft_ds3_liger: bench/hf_trainer_baseline.py --mode full (+ HF_LIGER=1), which
 #              reports the min-max of its timed steps too.
@@ -156,8 +157,8 @@ run_one() {  # name kind metrics_path cmd...
 }
 
 run_variant() {
-  local v=$1 strat comp=false ac=none backend=fsdp2 offload=none liger=false
-  if [[ "$v" =~ ^(ddp|zero1|zero2|zero3)(c?)(_ac)?(_ds)?(_oo|_op)?(_lgl|_lg)?$ ]]; then
+  local v=$1 strat comp=false ac=none backend=fsdp2 offload=none liger=false one_gpu=fsdp2
+  if [[ "$v" =~ ^(ddp|zero1|zero2|zero3)(c?)(_ac)?(_ds)?(_oo|_op)?(_lgl|_lg)?(_dir)?$ ]]; then
     strat=${BASH_REMATCH[1]}
     [ -n "${BASH_REMATCH[2]}" ] && comp=true
     [ -n "${BASH_REMATCH[3]}" ] && ac=full
@@ -166,6 +167,7 @@ run_variant() {
     [ "${BASH_REMATCH[5]}" = _op ] && offload=params
     [ "${BASH_REMATCH[6]}" = _lg ] && liger=true
     [ "${BASH_REMATCH[6]}" = _lgl ] && liger=loss
+    [ -n "${BASH_REMATCH[7]}" ] && one_gpu=direct
   else
     echo "== $v: unknown variant (use ddp, zero1, zero2, zero3 + optional c, _ac, _ds, _oo|_op, _lg: zero3_ds_oo)"
     echo "unknown variant $v" > "$W/$v.log"
@@ -179,7 +181,7 @@ run_variant() {
     python3 -m shardtune train bench/bench.yaml --nproc "$N" \
       model.preset="$PRESET" data.train_file="$W/long.jsonl" data.eval_fraction=0 \
       parallel.strategy="$strat" parallel.compile="$comp" parallel.activation_checkpointing="$ac" \
-      parallel.backend="$backend" parallel.offload="$offload" model.liger="$liger" \
+      parallel.backend="$backend" parallel.offload="$offload" model.liger="$liger" parallel.one_gpu="$one_gpu" \
       train.precision="$PREC" train.seq_len="$SEQ" train.micro_batch_size="$MBS" train.grad_accum=1 \
       train.max_steps="$STEPS" train.output_dir="$W/$v" \
       log.every="$EVERY" log.progress=false log.jsonl=true checkpoint.save_final=false "${extra[@]}"
