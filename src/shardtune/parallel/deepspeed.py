@@ -40,6 +40,7 @@ SUPPORTS = {
     "train.precision": ("fp32", "bf16", "fp16"),  # fp16 on GPUs only (check)
     "parallel.activation_offload": ("false",),
     "parallel.shard_frozen": ("true",),
+    "parallel.one_gpu": ("fsdp2",),
 }
 REFUSALS = {
     ("parallel.strategy", "hsdp"): "parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; "
@@ -47,6 +48,8 @@ REFUSALS = {
     ("parallel.activation_offload", "true"): "parallel.activation_offload: true runs on parallel.backend=fsdp2 "
                                              "(DeepSpeed's own cpu_checkpointing is not wired in); set "
                                              "parallel.backend=fsdp2, or parallel.activation_offload=false",
+    ("parallel.one_gpu", "direct"): "parallel.one_gpu: direct is FSDP2's one-process path (DeepSpeed runs its own "
+                                    "engine); set parallel.backend=fsdp2, or parallel.one_gpu=fsdp2",
     ("parallel.shard_frozen", "false"): "parallel.shard_frozen: false is FSDP2's (DeepSpeed partitions every "
                                         "weight its stage partitions); set parallel.backend=fsdp2, or "
                                         "parallel.shard_frozen=true",

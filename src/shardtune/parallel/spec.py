@@ -24,6 +24,7 @@ SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
     "parallel.activation_offload": lambda cfg: "true" if cfg.parallel.activation_offload else "false",
     # auto is checked as true: where it keeps weights whole (fsdp2 on one process) explicit false runs too
     "parallel.shard_frozen": lambda cfg: "false" if cfg.parallel.shard_frozen is False else "true",
+    "parallel.one_gpu": lambda cfg: cfg.parallel.one_gpu,
 }
 
 
