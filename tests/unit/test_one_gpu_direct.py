@@ -69,8 +69,12 @@ def test_a_direct_checkpoint_resumes_under_fsdp2(cli, runs, tmp_path):
         assert resumed[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6, abs=1e-6), step
 
 
-def test_direct_is_refused_with_fp16() -> None:
+def test_direct_is_refused_where_it_would_compute_otherwise() -> None:
     from shardtune.parallel import check_combination
 
     with pytest.raises(ShardtuneError, match=r"parallel.one_gpu: direct .*train.precision=bf16"):
         check_combination(load_config(TINY, ["parallel.one_gpu=direct", "train.precision=fp16"]))
+    with pytest.raises(ShardtuneError, match=r"peft.base_dtype=auto, or parallel.one_gpu=fsdp2"):
+        check_combination(load_config(TINY, ["parallel.one_gpu=direct", "train.precision=bf16", "peft.method=lora",
+                                             "peft.base_dtype=fp32"]))
+    check_combination(load_config(TINY, ["parallel.one_gpu=direct", "train.precision=bf16", "peft.method=lora"]))

@@ -93,6 +93,10 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     if p.one_gpu == "direct" and cfg.train.precision == "fp16":
         raise ShardtuneError("parallel.one_gpu: direct keeps fp32 masters without a loss scaler; set "
                              "train.precision=bf16, or parallel.one_gpu=fsdp2")
+    if p.one_gpu == "direct" and cfg.peft.base_dtype == "fp32" and cfg.train.precision != "fp32":
+        raise ShardtuneError("parallel.one_gpu: direct computes with the frozen base as it is stored, and "
+                             "peft.base_dtype: fp32 stores it in fp32 (FSDP2 casts it per use); set "
+                             "peft.base_dtype=auto, or parallel.one_gpu=fsdp2")
     if p.activation_offload and p.compile:
         raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true is not built yet (the "
                              "offload hooks would run inside the compiled blocks); set parallel.compile=false, or "
