@@ -78,3 +78,26 @@ def test_direct_is_refused_where_it_would_compute_otherwise() -> None:
         check_combination(load_config(TINY, ["parallel.one_gpu=direct", "train.precision=bf16", "peft.method=lora",
                                              "peft.base_dtype=fp32"]))
     check_combination(load_config(TINY, ["parallel.one_gpu=direct", "train.precision=bf16", "peft.method=lora"]))
+
+
+def test_the_planner_prices_direct_as_what_it_holds() -> None:
+    """Every trainable weight's compute-dtype copy is kept (zero3 under FSDP2 keeps the root and two blocks), and
+    one cast of the masters per step is its counted copy; on two processes the knob does nothing."""
+    from shardtune.models.presets import preset_config
+    from shardtune.plan import describe
+    from shardtune.plan.hardware import lookup
+    from shardtune.plan.memory import gpu_memory
+    from shardtune.plan.setting import setting_from_config
+    from shardtune.plan.shape import model_shape
+    from shardtune.plan.speed import gather_copy_seconds
+
+    one_b, h200 = model_shape(preset_config("llama-3.2-1b")), lookup("h200")
+    cfg = load_config(TINY, ["parallel.one_gpu=direct", "train.precision=bf16", "parallel.strategy=zero3"])
+    direct, fsdp2 = setting_from_config(cfg, 1, 1), setting_from_config(cfg, 1, 1).replace(one_gpu_direct=False)
+    assert direct.one_gpu_direct and not setting_from_config(cfg, 2, 2).one_gpu_direct
+    assert gpu_memory(one_b, direct).terms["gathered_parameters"] == one_b.params * 2
+    assert gpu_memory(one_b, fsdp2).terms["gathered_parameters"] < one_b.params * 2 / 2
+    # one cast of the masters per step, against zero3's two gathers (each in and out) per micro-batch
+    assert gather_copy_seconds(one_b, direct, h200) == pytest.approx(one_b.params * 6 / h200.hbm_bytes_per_s)
+    assert gather_copy_seconds(one_b, direct, h200) < gather_copy_seconds(one_b, fsdp2, h200)
+    assert "without FSDP2" in describe(direct) and "without FSDP2" not in describe(fsdp2)

@@ -72,6 +72,8 @@ class Fsdp2Rules:
         forward (models/liger.install_fused_loss), the plain loss after it, once the root has resharded."""
         p = s.compute_bytes
         largest, whole, blocks = sizes
+        if self._direct(s):  # parallel.one_gpu: direct: compute-dtype copies of the trainable weights, kept
+            return 0.0 if p == 4 else (m.params if s.peft == "none" else m.lora_params) * p
         if self.param_shards(s) == 1 and s.strategy != "ddp" and s.peft != "none" and s.frozen_bytes == p:
             # Measured on one H200 (8B LoRA and 8B / 70B QLoRA, zero3): without Liger nothing gathered at the
             # peak; with its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B
@@ -126,10 +128,24 @@ class Fsdp2Rules:
             out["all_reduce"] = 2 * trainable * 4.0 / n * (replicas - 1) / replicas
         return out
 
-    def copies_gathered(self, s: Setting) -> int:
-        """Times per micro-batch each gathered weight is copied in and out of the all-gather buffer (also on a
-        mesh of one, where it is the cast to the compute dtype): zero3 twice, zero2 once, DDP never."""
-        return {"ddp": 0, "zero2": 1}.get(s.strategy, 2)
+    @staticmethod
+    def _direct(s: Setting) -> bool:
+        return s.one_gpu_direct and s.strategy != "ddp"
+
+    def copy_bytes(self, m: ModelShape, s: Setting) -> float:
+        """HBM bytes per step its copies move. FSDP2 copies each gathered weight in and out of the all-gather
+        buffer (also on a mesh of one, where it is the cast to the compute dtype): zero3 twice per micro-batch,
+        zero2 once, DDP never; parallel.shard_frozen: false copies the adapters only. parallel.one_gpu: direct
+        casts each trainable master to the compute dtype once per step: (4 + p) bytes. Its gradients' cast into
+        the masters stands where FSDP2's gradient copies on a mesh of one stand, inside the fitted step efficiency
+        (neither is counted here). Not measured yet."""
+        p = s.compute_bytes
+        trainable = m.params if s.peft == "none" else m.lora_params
+        if self._direct(s):
+            return 0.0 if p == 4 else trainable * (4 + p)
+        gathers = {"ddp": 0, "zero2": 1}.get(s.strategy, 2)
+        copied = m.lora_params if s.frozen_local else m.params
+        return gathers * s.grad_accum * 2 * copied * p
 
 
 class DeepSpeedRules:
@@ -215,8 +231,8 @@ class DeepSpeedRules:
             out["all_gather"] = 2 * gathered * (w - 1) / w * s.grad_accum
         return out
 
-    def copies_gathered(self, s: Setting) -> int:
-        return 0  # its gathers write the parameters in place
+    def copy_bytes(self, m: ModelShape, s: Setting) -> float:
+        return 0.0  # its gathers write the parameters in place
 
 
 RULES: dict[str, Any] = {"fsdp2": Fsdp2Rules(), "deepspeed": DeepSpeedRules()}

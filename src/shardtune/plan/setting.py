@@ -21,6 +21,7 @@ class Setting:
     activation_checkpointing: str = "none"  # none | selective | full
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
     shard_frozen: bool = True  # parallel.shard_frozen, resolved (auto: false on one process)
+    one_gpu_direct: bool = False  # parallel.one_gpu: direct on one process (no FSDP2)
     compile: bool = False
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -107,6 +108,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
         activation_offload=p.activation_offload, shard_frozen=not frozen_whole(p, world),
+        one_gpu_direct=p.one_gpu == "direct" and world == 1,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,

@@ -177,13 +177,9 @@ def comm_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
 
 
 def gather_copy_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
-    """FSDP2 copies each gathered block in and out of its all-gather buffer (also on a mesh of one, where it
-    is the cast to the compute dtype): zero3 twice per micro-batch, zero2 once; through HBM, not hidden."""
-    gathers = s.rules.copies_gathered(s)
-    if not gathers:
-        return 0.0
-    copied = m.lora_params if s.frozen_local else m.params  # parallel.shard_frozen: false copies the adapters only
-    return gathers * s.grad_accum * 2 * copied * s.compute_bytes / hw.hbm_bytes_per_s
+    """The backend's own copies through HBM, not hidden (plan/backends.py copy_bytes: FSDP2's all-gather buffer
+    in and out, also on a mesh of one; parallel.one_gpu: direct's casts)."""
+    return s.rules.copy_bytes(m, s) / hw.hbm_bytes_per_s
 
 
 def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
