@@ -101,3 +101,6 @@ def test_the_planner_prices_direct_as_what_it_holds() -> None:
     assert gather_copy_seconds(one_b, direct, h200) == pytest.approx(one_b.params * 6 / h200.hbm_bytes_per_s)
     assert gather_copy_seconds(one_b, direct, h200) < gather_copy_seconds(one_b, fsdp2, h200)
     assert "without FSDP2" in describe(direct) and "without FSDP2" not in describe(fsdp2)
+    from shardtune.parallel import describe as engine_line  # `plan`'s strategy line
+
+    assert "without FSDP2" in engine_line(cfg, 1) and "fully_shard" in engine_line(cfg, 2)

@@ -108,6 +108,9 @@ def describe(cfg: Config, world: int) -> str:
     p = cfg.parallel
     if p.strategy == "ddp":
         return "torch DDP (replicated)"
+    if p.one_gpu == "direct" and world == 1:
+        return ("one process without FSDP2: compute-dtype weights in the model, fp32 masters in the optimizer "
+                "(parallel.one_gpu: direct)")
     if p.strategy == "hsdp":
         shard = hsdp_shard_size(p, world, world)  # checked by check_combination before this runs
         return (f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard "
