@@ -310,10 +310,15 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug
         if said is not None:  # another node (or process) died: a known failure, said in one line
             # Rank 0 waits too: when the dead process was on this node, the launcher saw it and ends this one in
             # that time, with the line that says why (a SIGKILL: the out-of-memory killer) instead of this one.
-            # Its monitor looks every 0.1 s, but a loaded machine delayed it past 3 s once (CI, 2026-12-04: both
-            # lines printed); a remote node's death costs these seconds before the line, nothing else. A rank the
-            # launcher is already ending (its SIGTERM, after this node's first rank said it) stays quiet.
-            time.sleep(20 if os.environ.get("RANK", "0") != "0" else 10)
+            # Its monitor looks every 0.1 s, but a loaded machine delayed it past 3 s once and past 10 s once (CI,
+            # 2026-12-04: both lines printed). With every process on this node the launcher always sees the death,
+            # so the wait ends when it ends this one (its SIGTERM), up to a minute; a remote node's death costs
+            # 10-20 s before the line, nothing else. A rank the launcher is already ending stays quiet.
+            one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+            wait = 60 if one_node else (20 if os.environ.get("RANK", "0") != "0" else 10)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not stop.requested():
+                time.sleep(0.1)
             if not stop.requested():
                 print(f"error: lost a process of the run (another node died or was killed?): {said}; "
                       f"{_newest_checkpoint(config, overrides)}", file=sys.stderr, flush=True)
