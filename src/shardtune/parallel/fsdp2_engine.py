@@ -70,6 +70,7 @@ class FSDP2Backend:
         # trainable weight sits (a tied weight sits in two); the optimizer holds the masters.
         self.places: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         self.masters: dict[int, nn.Parameter] = {}  # id(compute parameter) -> its master
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (compute parameter, master), each once
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -149,6 +150,7 @@ class FSDP2Backend:
                 owner._parameters[name] = compute
                 self.places.append((owner, name, compute, master))
                 self.masters[id(compute)] = master
+        self.pairs = [(compute, self.masters[id(compute)]) for compute in seen.values()]
 
     @contextlib.contextmanager
     def _masters_in_place(self) -> Any:
@@ -160,9 +162,6 @@ class FSDP2Backend:
         finally:
             for owner, name, compute, _ in self.places:
                 owner._parameters[name] = compute
-
-    def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        return list({id(c): (c, m) for _, _, c, m in self.places}.values())
 
     def _gradient_to_master(self, compute: torch.Tensor) -> None:
         """A compute-dtype gradient into its master's fp32 one (summed over micro-batches in fp32, as FSDP2's
@@ -176,9 +175,8 @@ class FSDP2Backend:
 
     @torch.no_grad()
     def _masters_to_compute(self) -> None:
-        pairs = self._pairs()
-        if pairs:
-            torch._foreach_copy_([c for c, _ in pairs], [m for _, m in pairs])  # the one cast per step
+        if self.pairs:
+            torch._foreach_copy_([c for c, _ in self.pairs], [m for _, m in self.pairs])  # the one cast per step
 
     def _mesh(self) -> Any:
         """1-D over all processes; hsdp: (replicate, shard), so a model copy is sharded over shard_size

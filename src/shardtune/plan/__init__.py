@@ -179,8 +179,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p, t = new.parallel, new.train
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     p.activation_checkpointing, p.activation_offload = s.activation_checkpointing, s.activation_offload
-    if s.shard_frozen == frozen_whole(p, s.world):  # the candidate is not what the config gives: say it
-        p.shard_frozen = s.shard_frozen
+    _say_shard_frozen(p, s)
     if s.offload == "none" or not s.nvme:
         p.offload_nvme_path = None
     t.micro_batch_size = s.micro_batch_size
@@ -189,6 +188,13 @@ def config_for(cfg: Any, s: Setting) -> Any:
     if not s.rules.keeps_deepspeed_section:
         new.deepspeed = {}
     return new
+
+
+def _say_shard_frozen(parallel: Any, s: Setting) -> None:
+    """Write the setting's parallel.shard_frozen where the config's value (auto, resolved for the setting's world)
+    would give the other one; leave auto where it gives the same."""
+    if s.shard_frozen == frozen_whole(parallel, s.world):  # sharded where the config keeps whole, or the reverse
+        parallel.shard_frozen = s.shard_frozen
 
 
 def free_knobs(cfg: Any) -> set[str]:
@@ -333,8 +339,7 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
         new.parallel.backend, new.parallel.strategy = s.backend, s.strategy
         new.parallel.offload, new.parallel.activation_checkpointing = s.offload, s.activation_checkpointing
         new.parallel.activation_offload = s.activation_offload
-        if s.shard_frozen == frozen_whole(new.parallel, s.world):  # the pick is not what auto gives
-            new.parallel.shard_frozen = s.shard_frozen
+        _say_shard_frozen(new.parallel, s)
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
     return new
