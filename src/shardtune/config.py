@@ -33,6 +33,11 @@ class ModelConfig(_Section):
         False, description="Liger-Kernel (CUDA, liger-kernel installed): true = its RMSNorm, RoPE and SwiGLU kernels "
                            "and fused linear + cross-entropy; loss = the fused loss only; auto = where it can run, "
                            "the fused loss only under parallel.compile (Inductor fuses the rest), else all.")
+    liger_chunk: int = Field(
+        1024, ge=0, description="Tokens whose logits Liger's fused loss makes at once (a power of two near it): "
+                                "fewer, larger matmuls, and the LM head's fp32 gradient read and written once per "
+                                "chunk; holds tokens x vocab x 2 bytes (263 MB at 1024 and a 128k vocabulary). "
+                                "0 = Liger's own choice (about tokens x hidden / vocab: 256 at 1B, micro-batch 4).")
     trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (config.json "
                                                        "auto_map) with your permissions; only for code you have read.")
     max_position_embeddings: int | None = Field(

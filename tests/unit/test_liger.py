@@ -13,7 +13,7 @@ from shardtune.config import load_config
 from shardtune.data import Batch
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.models.liger import install_fused_loss, reference_fused_loss
-from shardtune.models.liger_rules import check_liger, liger_installed, liger_kernels_wanted, use_liger
+from shardtune.models.liger_rules import check_liger, fused_loss_chunk, liger_installed, liger_kernels_wanted, use_liger
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -22,6 +22,24 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 def test_the_key_takes_true_false_auto_loss(value, parsed):
     assert load_config(TINY, [f"model.liger={value}"]).model.liger == parsed
     assert load_config(TINY, []).model.liger is False  # off until measured on a GPU (RESULTS.md)
+
+
+@pytest.mark.parametrize("tokens, vocab, hidden, rows, expected", [
+    (8192, 128256, 2048, 0, (1, 256)),        # Liger's own chunk: 1B, micro-batch 4 (32 chunks a step)
+    (8192, 128256, 2048, 1024, (8, 1024)),    # the default model.liger_chunk: 8 chunks
+    (4096, 128256, 4096, 1024, (10, 1024)),   # 8B, micro-batch 2 (Liger's own: 128 rows)
+    (8192, 128256, 2048, 100_000, (63, 8192)),  # one chunk, never more rows than tokens
+    (131072, 128256, 4096, 1024, (1, 4096)),  # Liger's own chunk is already larger: kept, memory not raised
+])
+def test_the_chunk_follows_ligers_formula(tokens, vocab, hidden, rows, expected):
+    """chunk_mem_const C gives next_pow2(ceil(tokens / ceil(vocab / (C x hidden)))) rows in Liger 0.8.5."""
+    assert fused_loss_chunk(tokens, vocab, hidden, rows) == expected
+
+
+def test_the_chunk_key_defaults_to_1024_tokens():
+    assert load_config(TINY, []).model.liger_chunk == 1024
+    with pytest.raises(ConfigError, match=r"model\.liger_chunk"):
+        load_config(TINY, ["model.liger_chunk=-1"])
 
 
 def test_the_key_refuses_other_values():

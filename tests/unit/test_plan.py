@@ -108,6 +108,9 @@ def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
     # DeepSpeed keeps the plain loss; a frozen LM head (LoRA) has no gradient to keep.
     assert logits_bytes(one_b, replace(s, backend="deepspeed")) == (2 * 2 + 8) * 128256 * 8192
     assert fused_loss_bytes(one_b, replace(s, peft="lora")) == 256 * 128256 * 6 + 8192 * 2048 * 2
+    # model.liger_chunk: 1,024-token chunks hold four times the logits of Liger's own 256.
+    assert (fused_loss_bytes(one_b, replace(s, liger_chunk=1024))
+            == 1024 * 128256 * 6 + 8192 * 2048 * 2 + 4 * 128256 * 2048)
 
 
 def test_selective_checkpointing_sits_between_none_and_full(one_b: ModelShape, eight_b: ModelShape) -> None:

@@ -48,11 +48,26 @@ def apply_liger_kernels(causal_lm: nn.Module) -> None:
                                     fused_linear_cross_entropy=False)
 
 
-def liger_loss() -> Any:
-    """Liger's fused linear + cross-entropy, summing token losses (accumulated in fp32) as train/loss.py does."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+def liger_loss(chunk: int = 0) -> Any:
+    """Liger's fused linear + cross-entropy, summing token losses (accumulated in fp32) as train/loss.py does,
+    its logits made `chunk` tokens at a time (`model.liger_chunk`, through Liger's chunk_mem_const; 0 or a Liger
+    without that argument: Liger's own chunk)."""
+    import inspect
 
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32)
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    from shardtune.models.liger_rules import fused_loss_chunk
+
+    sized = chunk > 0 and "chunk_mem_const" in inspect.signature(liger_fused_linear_cross_entropy).parameters
+
+    def loss(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        extra = {}
+        if sized:
+            extra["chunk_mem_const"] = fused_loss_chunk(hidden.size(0), weight.size(0), weight.size(1), chunk)[0]
+        return liger_fused_linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE_INDEX,
+                                                reduction="sum", accum_dtype=torch.float32, **extra)
+
+    return loss
 
 
 def reference_fused_loss(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -45,3 +45,26 @@ def liger_kernels_wanted(setting: LigerSetting, compiled: bool) -> bool:
     """Whether Liger's RMSNorm, RoPE and SwiGLU go in (where use_liger holds): always for true, never for loss;
     for auto only without parallel.compile (bench/RESULTS.md 2026-12-02: with compiled blocks they cost speed)."""
     return setting is True or (setting == "auto" and not compiled)
+
+
+def _liger_chunk_rows(tokens: int, vocab: int, hidden: int, mem_const: int) -> int:
+    """The rows per chunk Liger's fused linear + cross-entropy takes for `chunk_mem_const` (its own formula,
+    liger_kernel/ops/fused_linear_cross_entropy.py): next_pow2(ceil(tokens / ceil(vocab / (C x hidden))))."""
+    inc = -(-vocab // (mem_const * hidden))
+    return min(1 << max(0, (-(-tokens // inc) - 1).bit_length()), tokens)
+
+
+def fused_loss_chunk(tokens: int, vocab: int, hidden: int, rows: int) -> tuple[int, int]:
+    """(Liger's chunk_mem_const, the rows per chunk it gives) for `model.liger_chunk` = `rows`: the largest
+    constant whose chunk is at most max(rows, Liger's own chunk); rows 0 keeps Liger's own (constant 1).
+    Liger's own chunk at Llama-3 1B, micro-batch 4 (8,192 tokens) is 256 rows, so 32 chunks a step, each
+    reading and writing the LM head's fp32 gradient (1 GB) in its own small-K matmul: 26 ms of a 155 ms step
+    on one H200 (bench/RESULTS.md, 2026-12-04 seventeenth session)."""
+    own = _liger_chunk_rows(tokens, vocab, hidden, 1)
+    const = 1
+    if rows > 0:
+        for c in range(2, -(-vocab // hidden) + 1):
+            if _liger_chunk_rows(tokens, vocab, hidden, c) > max(rows, own):
+                break
+            const = c
+    return const, _liger_chunk_rows(tokens, vocab, hidden, const)

@@ -35,6 +35,7 @@ class Setting:
     async_checkpoint: bool = False
     fused_loss: bool = False  # model.liger puts Liger's fused linear + cross-entropy in (FSDP2/DDP backends only)
     liger_kernels: bool = False  # model.liger swaps Liger's RMSNorm, RoPE and SwiGLU into the blocks
+    liger_chunk: int = 0  # model.liger_chunk: tokens per chunk of the fused loss (0 = Liger's own choice)
     world: int = 1
     per_node: int = 1
     shard_size: int | None = None  # hsdp's group; None = per_node
@@ -113,6 +114,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save, fused_loss=liger,
-        liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile), world=world,
+        liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),
+        liger_chunk=cfg.model.liger_chunk, world=world,
         per_node=per_node,
         shard_size=p.shard_size if isinstance(p.shard_size, int) else None)

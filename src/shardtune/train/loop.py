@@ -272,7 +272,7 @@ def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: An
         apply_liger_kernels(built.base)
     fused = hasattr(backend, "fused_loss")
     if fused:
-        install_fused_loss(built.base, liger_loss())
+        install_fused_loss(built.base, liger_loss(cfg.model.liger_chunk))
         backend.fused_loss = True
     parts = (["RMSNorm, RoPE, SwiGLU kernels"] if kernels else []) + (
         ["fused linear + cross-entropy loss"] if fused else ["the loss stays plain on this backend"])
