@@ -24,7 +24,8 @@ one() {  # one core.sh run into $O/$1: VARIANTS BASELINES EXTRA from the environ
   b=$(left)
   [ "$b" -lt 60 ] && { echo "== $tag skipped: ${b}s left"; return; }
   OUT=$O/$tag BUDGET=$b bash bench/core.sh > "$O/$tag.log" 2>&1
-  export SKIP_INSTALL=1
+  export SKIP_INSTALL=1  # installed once, by the first run, into /tmp/site
+  [ -d /tmp/site ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
   grep -h '^| ' "$O/$tag/table.md" | grep -v '^| variant\|^|---' | sed "s/^| /| $tag: /" | tee -a "$O/rows.md"
 }
 : > "$O/rows.md"
