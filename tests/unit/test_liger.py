@@ -13,7 +13,14 @@ from shardtune.config import load_config
 from shardtune.data import Batch
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.models.liger import install_fused_loss, reference_fused_loss
-from shardtune.models.liger_rules import check_liger, fused_loss_chunk, liger_installed, liger_kernels_wanted, use_liger
+from shardtune.models.liger_rules import (
+    check_liger,
+    chunk_tokens,
+    fused_loss_chunk,
+    liger_installed,
+    liger_kernels_wanted,
+    use_liger,
+)
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -36,8 +43,14 @@ def test_the_chunk_follows_ligers_formula(tokens, vocab, hidden, rows, expected)
     assert fused_loss_chunk(tokens, vocab, hidden, rows) == expected
 
 
-def test_the_chunk_key_defaults_to_1024_tokens():
-    assert load_config(TINY, []).model.liger_chunk == 1024
+def test_the_chunk_key_is_1024_tokens_where_the_head_trains():
+    from shardtune.plan.setting import setting_from_config
+
+    assert load_config(TINY, []).model.liger_chunk == "auto"
+    assert chunk_tokens("auto", "none") == 1024 and chunk_tokens("auto", "lora") == 0
+    assert chunk_tokens(512, "qlora") == 512
+    assert setting_from_config(load_config(TINY, []), 1, 1).liger_chunk == 1024
+    assert setting_from_config(load_config(TINY, ["peft.method=lora"]), 1, 1).liger_chunk == 0
     with pytest.raises(ConfigError, match=r"model\.liger_chunk"):
         load_config(TINY, ["model.liger_chunk=-1"])
 

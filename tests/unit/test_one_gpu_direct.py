@@ -93,7 +93,7 @@ def test_the_planner_prices_direct_as_what_it_holds() -> None:
 
     one_b, h200 = model_shape(preset_config("llama-3.2-1b")), lookup("h200")
     cfg = load_config(TINY, ["parallel.one_gpu=direct", "train.precision=bf16", "parallel.strategy=zero3"])
-    direct, fsdp2 = setting_from_config(cfg, 1, 1), setting_from_config(cfg, 1, 1).replace(one_gpu_direct=False)
+    direct, fsdp2 = setting_from_config(cfg, 1, 1), setting_from_config(cfg, 1, 1).replace(one_gpu="fsdp2")
     assert direct.one_gpu_direct and not setting_from_config(cfg, 2, 2).one_gpu_direct
     assert gpu_memory(one_b, direct).terms["gathered_parameters"] == one_b.params * 2
     assert gpu_memory(one_b, fsdp2).terms["gathered_parameters"] < one_b.params * 2 / 2
@@ -104,3 +104,32 @@ def test_the_planner_prices_direct_as_what_it_holds() -> None:
     from shardtune.parallel import describe as engine_line  # `plan`'s strategy line
 
     assert "without FSDP2" in engine_line(cfg, 1) and "fully_shard" in engine_line(cfg, 2)
+
+
+@pytest.mark.parametrize("overrides, world, direct", [
+    ([], 1, True),                                   # the measured case: full fine-tuning, bf16, AdamW, one process
+    (["parallel.strategy=zero3"], 1, True),
+    ([], 2, False),                                  # several processes: FSDP2 shards
+    (["parallel.strategy=ddp"], 1, False),
+    (["peft.method=lora"], 1, False),                # not measured on a GPU yet: FSDP2
+    (["train.precision=fp32"], 1, False),
+    (["optim.name=adamw8bit"], 1, False),
+    (["parallel.one_gpu=fsdp2"], 1, False),
+    (["parallel.one_gpu=direct", "peft.method=lora"], 1, True),
+])
+def test_auto_runs_direct_only_where_it_was_measured(overrides, world, direct) -> None:
+    """parallel.one_gpu: auto (the default) = direct for bf16 full fine-tuning with AdamW on one process; the
+    planner's setting, the engine's choice and `plan`'s strategy line follow the same rule, also for a candidate
+    of the strategy search (its strategy is filled in after the config is read)."""
+    from shardtune.parallel import describe as engine_line
+    from shardtune.parallel.fsdp2 import runs_direct
+    from shardtune.plan.setting import setting_from_config
+
+    cfg = load_config(TINY, ["train.precision=bf16", "parallel.strategy=zero2", *overrides])
+    assert runs_direct(cfg, world) is direct
+    assert setting_from_config(cfg, world, world).one_gpu_direct is direct
+    assert ("without FSDP2" in engine_line(cfg, world)) is direct
+    searched = load_config(TINY, ["train.precision=bf16", "parallel.strategy=auto", *overrides])
+    if "parallel.strategy=ddp" not in overrides:
+        strategy = cfg.parallel.strategy
+        assert setting_from_config(searched, world, world).replace(strategy=strategy).one_gpu_direct is direct

@@ -44,8 +44,9 @@ SPEED_MISSES = {("16", "1b-zero2-mb2"): 0.20, ("16", "1b-ds-zero3-mb4"): 0.31,
 # parallel.shard_frozen became `auto` (false on one process) after call 40; earlier rows ran with it true unless
 # their overrides say otherwise.
 FROZEN_AUTO_CALL = 41
-# model.liger_chunk (default 1024 tokens) came after call 43; earlier rows ran with Liger's own chunk.
-LIGER_CHUNK_CALL = 44
+# model.liger_chunk and parallel.one_gpu became `auto` after call 46 (seventeenth session); earlier rows ran with
+# Liger's own chunk and FSDP2 on one process unless their overrides say otherwise.
+CHUNK_DIRECT_AUTO_CALL = 47
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -69,8 +70,8 @@ def _predictions() -> list[tuple[dict, object]]:
         overrides = row.get("overrides") or matrix[row["name"]]  # pick rows (--pick) record their own
         if int(row["call"]) < FROZEN_AUTO_CALL:
             overrides = ["parallel.shard_frozen=true", *overrides]  # the default when they ran
-        if int(row["call"]) < LIGER_CHUNK_CALL:
-            overrides = ["model.liger_chunk=0", *overrides]
+        if int(row["call"]) < CHUNK_DIRECT_AUTO_CALL:
+            overrides = ["model.liger_chunk=0", "parallel.one_gpu=fsdp2", *overrides]
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured

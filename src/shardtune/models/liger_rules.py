@@ -47,6 +47,14 @@ def liger_kernels_wanted(setting: LigerSetting, compiled: bool) -> bool:
     return setting is True or (setting == "auto" and not compiled)
 
 
+def chunk_tokens(setting: int | str, peft: str) -> int:
+    """model.liger_chunk resolved: auto = 1024 when the LM head trains (full fine-tuning; its fp32 gradient is
+    read and written once per chunk), else Liger's own chunk (0), which LoRA / QLoRA were measured with."""
+    if setting == "auto":
+        return 1024 if peft == "none" else 0
+    return int(setting)
+
+
 def _liger_chunk_rows(tokens: int, vocab: int, hidden: int, mem_const: int) -> int:
     """The rows per chunk Liger's fused linear + cross-entropy takes for `chunk_mem_const` (its own formula,
     liger_kernel/ops/fused_linear_cross_entropy.py): next_pow2(ceil(tokens / ceil(vocab / (C x hidden))))."""

@@ -39,6 +39,26 @@ def frozen_whole(parallel: ParallelConfig, world: int) -> bool:
     return not parallel.shard_frozen
 
 
+def direct_applies(one_gpu: str, *, world: int, strategy: str, peft: str, precision: str, optim: str,
+                   activation_offload: bool) -> bool:
+    """Whether zero2 / zero3 run without FSDP2 (parallel.one_gpu = `one_gpu`; `world`: every process of the
+    job). auto: only where it was measured to pay (bench/RESULTS.md 2026-12-04, seventeenth session: 1B full
+    fine-tuning on one H200, bf16, AdamW: 7% faster at the same peak); LoRA / QLoRA, fp32, 8-bit AdamW and
+    offloaded activations keep FSDP2 until measured."""
+    if world != 1 or strategy not in ("zero2", "zero3") or one_gpu == "fsdp2":
+        return False
+    return one_gpu == "direct" or (peft == "none" and precision == "bf16" and optim == "adamw"
+                                   and not activation_offload)
+
+
+def runs_direct(cfg: Config, world: int) -> bool:
+    """direct_applies for a run's config."""
+    p = cfg.parallel
+    return direct_applies(p.one_gpu, world=world, strategy=p.strategy, peft=cfg.peft.method,
+                          precision=cfg.train.precision, optim=cfg.optim.name,
+                          activation_offload=p.activation_offload)
+
+
 def hsdp_shard_size(parallel: ParallelConfig, world: int, per_node: int) -> int:
     """parallel.shard_size (auto = `per_node`, the processes of one node); it must divide the `world`
     processes into equal groups."""
@@ -59,7 +79,7 @@ SUPPORTS = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "parallel.activation_offload": ("false", "true"),
     "parallel.shard_frozen": ("true", "false"),
-    "parallel.one_gpu": ("fsdp2", "direct"),
+    "parallel.one_gpu": ("auto", "fsdp2", "direct"),
 }
 REFUSALS = {
     ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
@@ -108,7 +128,7 @@ def describe(cfg: Config, world: int) -> str:
     p = cfg.parallel
     if p.strategy == "ddp":
         return "torch DDP (replicated)"
-    if p.one_gpu == "direct" and world == 1:
+    if runs_direct(cfg, world):
         return ("one process without FSDP2: compute-dtype weights in the model, fp32 masters in the optimizer "
                 "(parallel.one_gpu: direct)")
     if p.strategy == "hsdp":
@@ -128,7 +148,8 @@ def param_shards(parallel: ParallelConfig, world: int) -> int:
 def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
     from shardtune.parallel.fsdp2_engine import FSDP2Backend
 
-    return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx, loss, cfg.optim.max_grad_norm)
+    return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx, loss, cfg.optim.max_grad_norm,
+                        direct=runs_direct(cfg, ctx.world))
 
 
 SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,

@@ -52,8 +52,9 @@ def _without_frozen_aliases(module: nn.Module, model_sd: dict[str, Any]) -> dict
 
 class FSDP2Backend:
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, loss: LossFn,
-                 max_grad_norm: float) -> None:
+                 max_grad_norm: float, *, direct: bool = False) -> None:
         self.parallel, self.precision, self.ctx = parallel, precision, ctx
+        self.direct = direct  # zero2 / zero3 on one process without FSDP2 (fsdp2.runs_direct)
         self.loss, self.max_grad_norm = loss, max_grad_norm
         self.skip_nonfinite = True  # the loop sets train.skip_nonfinite
         self.step_skipped = False  # whether the last step() left the weights as they were (non-finite grads)
@@ -79,7 +80,7 @@ class FSDP2Backend:
         self.activation_offload = checkpoint_and_compile(model, blocks, self.parallel, self.ctx.device.type)
         if self.parallel.strategy == "ddp":
             self._setup_ddp(model, weights)
-        elif self.parallel.one_gpu == "direct" and self.ctx.world == 1:
+        elif self.direct:
             self._setup_direct(model, weights)
         else:
             self._setup_fsdp(model, blocks, weights)

@@ -21,7 +21,7 @@ class Setting:
     activation_checkpointing: str = "none"  # none | selective | full
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
     shard_frozen: bool = True  # parallel.shard_frozen, resolved (auto: false on one process)
-    one_gpu_direct: bool = False  # parallel.one_gpu: direct on one process (no FSDP2)
+    one_gpu: str = "fsdp2"  # parallel.one_gpu as configured (one_gpu_direct: whether it applies here)
     compile: bool = False
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -69,6 +69,14 @@ class Setting:
                 and self.frozen_bytes == self.compute_bytes)
 
     @property
+    def one_gpu_direct(self) -> bool:
+        """zero2 / zero3 run without FSDP2 here (parallel.one_gpu, as parallel.fsdp2.direct_applies decides)."""
+        from shardtune.parallel.fsdp2 import direct_applies
+
+        return direct_applies(self.one_gpu, world=self.world, strategy=self.strategy, peft=self.peft,
+                              precision=self.precision, optim=self.optim, activation_offload=self.activation_offload)
+
+    @property
     def tokens(self) -> int:
         """Tokens in one micro-batch of one process."""
         return self.micro_batch_size * self.seq_len
@@ -101,7 +109,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     """The Setting a Config describes; `auto` strategy / micro-batch take placeholders the search replaces.
     `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
     kernels go in as models.liger_rules.liger_kernels_wanted says."""
-    from shardtune.models.liger_rules import liger_kernels_wanted
+    from shardtune.models.liger_rules import chunk_tokens, liger_kernels_wanted
     from shardtune.parallel.fsdp2 import frozen_whole
 
     p, t = cfg.parallel, cfg.train
@@ -109,12 +117,12 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
         activation_offload=p.activation_offload, shard_frozen=not frozen_whole(p, world),
-        one_gpu_direct=p.one_gpu == "direct" and world == 1,
+        one_gpu=p.one_gpu,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save, fused_loss=liger,
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),
-        liger_chunk=cfg.model.liger_chunk, world=world,
+        liger_chunk=chunk_tokens(cfg.model.liger_chunk, cfg.peft.method), world=world,
         per_node=per_node,
         shard_size=p.shard_size if isinstance(p.shard_size, int) else None)
