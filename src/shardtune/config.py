@@ -50,6 +50,13 @@ class ModelConfig(_Section):
         None, description="RoPE scaling for this run, as transformers' rope_scaling: {rope_type: llama3 | linear | "
                           "dynamic | yarn, factor: 8.0, ...}; replaces the model's scaling, keeps its rope_theta.")
 
+    @field_validator("liger_chunk")
+    @classmethod
+    def _chunk(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be >= 0 (0 = Liger's own chunk) or 'auto'")
+        return v
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.preset is None):
@@ -75,13 +82,6 @@ def _check_fields(v: dict[str, str]) -> dict[str, str]:
                              f"fields are {', '.join(DEFAULT_FIELDS)}")
     return v
 
-
-    @field_validator("liger_chunk")
-    @classmethod
-    def _chunk(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 0:
-            raise ValueError("must be >= 0 (0 = Liger's own chunk) or 'auto'")
-        return v
 
 class SourceConfig(_Section):
     path: str = Field(..., description="File (.jsonl .json .parquet .csv), folder of them, or a `datasets` "

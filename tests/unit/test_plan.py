@@ -308,8 +308,9 @@ def _cfg(*overrides: str):
 
 
 def test_search_refuses_what_does_not_fit_and_names_the_smallest_fix() -> None:
+    # FSDP2 on the one GPU (the direct path's smaller reserve makes full checkpointing the smallest fix there).
     cfg = _cfg("model.preset=llama-3.2-1b", "parallel.strategy=zero2", "train.micro_batch_size=8",
-               "train.seq_len=4096")
+               "train.seq_len=4096", "parallel.one_gpu=fsdp2")
     # A 24 GiB host (as this test's machine had, which it read before --host-memory) rules offload out.
     h100 = replace(lookup("h100"), host_memory_bytes=24 * GIB)
     plan = make_plan(cfg, preset_config("llama-3.2-1b"), h100, world=1, per_node=1)

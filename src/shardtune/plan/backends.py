@@ -20,6 +20,12 @@ DS_PREFETCH_BUCKET = 5e7
 DEEPSPEED_EFF = {"ddp": 0.92, "zero1": 0.92, "zero2": 0.92, "zero3": 0.71}
 # DDP runs mixed precision through autocast, which casts weights every forward (measured 0.95x of zero2).
 AUTOCAST_EFF = 0.95
+# parallel.one_gpu: direct against FSDP2 on a mesh of one, the same work (1B full fine-tuning on one H200,
+# bench/RESULTS.md 2026-12-04, seventeenth session): 1.036x and 1.036x (calls 42, 43), 1.07x at 1024-token
+# fused-loss chunks (call 45, FSDP2's spread 46-57k). The copies FSDP2 still makes on one process (the cast into
+# and out of its gather buffer, the fp32 reduce-scatter input and its one-rank copy: ~15 ms of a 160 ms step in
+# call 43's profile against ~11 of the direct path's casts) and its optimizer over DTensors; the rate of the lower.
+DIRECT_EFF = 1.04
 
 
 class Fsdp2Rules:
@@ -28,6 +34,7 @@ class Fsdp2Rules:
     name = "fsdp2"
     computes_fused_loss = True  # Liger's fused linear + cross-entropy runs inside the root's forward
     keeps_deepspeed_section = False
+    has_one_gpu_direct = True  # parallel.one_gpu: direct (zero2 / zero3 on one process without FSDP2)
 
     def param_shards(self, s: Setting) -> int:
         """Processes that share one copy of the parameters (1: each holds them whole)."""
@@ -106,7 +113,10 @@ class Fsdp2Rules:
         return False
 
     def efficiency(self, s: Setting) -> float:
-        """This engine's rate against FSDP2 on the same work: DDP's autocast casts weights every forward."""
+        """This engine's rate against FSDP2 on the same work: DDP's autocast casts weights every forward; the
+        one-process path without FSDP2 skips FSDP2's copies."""
+        if s.one_gpu_direct:
+            return DIRECT_EFF
         return AUTOCAST_EFF if s.strategy == "ddp" and s.precision != "fp32" else 1.0
 
     def comm_bytes(self, m: ModelShape, s: Setting, gathered: float, last_block: float) -> dict[str, float]:
@@ -130,7 +140,7 @@ class Fsdp2Rules:
 
     @staticmethod
     def _direct(s: Setting) -> bool:
-        return s.one_gpu_direct and s.strategy != "ddp"
+        return s.one_gpu_direct
 
     def copy_bytes(self, m: ModelShape, s: Setting) -> float:
         """HBM bytes per step its copies move. FSDP2 copies each gathered weight in and out of the all-gather
@@ -154,6 +164,7 @@ class DeepSpeedRules:
     name = "deepspeed"
     computes_fused_loss = False  # the DeepSpeed backend keeps the plain loss
     keeps_deepspeed_section = True
+    has_one_gpu_direct = False
 
     def param_shards(self, s: Setting) -> int:
         return s.world if s.strategy == "zero3" else 1

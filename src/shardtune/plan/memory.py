@@ -40,6 +40,9 @@ FRAGMENTATION = 0.18
 RECOMPUTE_FRAGMENTATION = 0.08
 # LoRA / QLoRA runs allocate little per step besides activations: 1.05-1.18 measured (8B, 70B).
 PEFT_FRAGMENTATION = 0.10
+# parallel.one_gpu: direct (no FSDP2 gather and reduce-scatter buffers coming and going): 1.006-1.027 measured
+# (1B full fine-tuning, 7 rows of calls 42-46).
+DIRECT_FRAGMENTATION = 0.03
 # Long sequences: the allocator keeps the blocks its largest transients were cut from (a recomputed block's f-wide
 # MLP tensors, 9 GiB each at 327,680 tokens of the 8B shape), and reserved exceeds allocated by about 3.7 x p x f
 # per token: 12.9-32.0 GiB measured on 8B QLoRA at 131,072-327,680 tokens (calls 35-36, bench/RESULTS.md), where
@@ -304,7 +307,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     terms = {k: float(v) for k, v in terms.items() if v}
     allocated = sum(terms.values())
     frag = PEFT_FRAGMENTATION if s.peft != "none" else \
-        FRAGMENTATION + (RECOMPUTE_FRAGMENTATION if recompute else 0.0)
+        (DIRECT_FRAGMENTATION if s.one_gpu_direct else FRAGMENTATION) + (RECOMPUTE_FRAGMENTATION if recompute else 0.0)
     reserved = max(allocated * (1 + frag), allocated + CACHED_TRANSIENTS * s.compute_bytes * m.ffn * s.tokens)
     context = CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0.0) + (COMPILE_WORKSPACE if s.compile else 0.0)
     return Memory(terms=terms, phase=phase, allocated=allocated, reserved=reserved, total=reserved + context,

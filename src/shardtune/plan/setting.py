@@ -73,8 +73,9 @@ class Setting:
         """zero2 / zero3 run without FSDP2 here (parallel.one_gpu, as parallel.fsdp2.direct_applies decides)."""
         from shardtune.parallel.fsdp2 import direct_applies
 
-        return direct_applies(self.one_gpu, world=self.world, strategy=self.strategy, peft=self.peft,
-                              precision=self.precision, optim=self.optim, activation_offload=self.activation_offload)
+        return self.rules.has_one_gpu_direct and direct_applies(
+            self.one_gpu, world=self.world, strategy=self.strategy, peft=self.peft, precision=self.precision,
+            optim=self.optim, activation_offload=self.activation_offload)
 
     @property
     def tokens(self) -> int:

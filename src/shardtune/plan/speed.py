@@ -37,6 +37,12 @@ COMPILE_SPEEDUP = 1.2
 # call), inside compiled blocks 0.85x compiled (its Triton kernels cut Inductor's fusion), the fused loss alone
 # with compiled blocks 0.97x; 8B LoRA with checkpointing 0.96x (6,958 against 7,225 in another call).
 LIGER_EFF = {"eager": 1.17, "compiled": 0.85, "loss": 0.97, "peft": 0.96}
+# Liger's fused loss adds each chunk's share of the LM head's gradient into its fp32 accumulator (an addmm that
+# reads and writes all V x h of it, 1 GB at 1B), and LIGER_EFF was measured with Liger's own chunk (256 tokens at
+# 1B, micro-batch 4: 32 a step). model.liger_chunk's larger chunks save that traffic for each chunk fewer, at this
+# share of HBM bandwidth: 1B on one H200 (bench/RESULTS.md 2026-12-04, seventeenth session, call 45), 1024-token
+# chunks (8 a step) ran 19.6 ms a step faster than 256 (32): 24 x 2.1 GB in 19.6 ms.
+FUSED_CHUNK_EFF = 0.6
 # LoRA's adapter matmuls are small and memory-bound: bytes moved per adapter element per token, at HBM speed.
 LORA_OVERHEAD = 0.1
 # The optimizer step streams every trainable parameter's state: fused AdamW reads fp32 p, g, m, v and writes
@@ -127,6 +133,21 @@ def liger_efficiency(s: Setting) -> float:
     if s.liger_kernels:
         return LIGER_EFF["compiled" if s.compile else "eager"]
     return LIGER_EFF["loss"]
+
+
+def fused_chunk_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
+    """Time model.liger_chunk saves (negative) or costs against Liger's own chunk, where LIGER_EFF was measured:
+    the LM head's fp32 gradient read and written once per chunk (FUSED_CHUNK_EFF). Nothing when the head is
+    frozen (LoRA / QLoRA: no gradient to accumulate) or the loss is plain."""
+    if not s.fused_loss_runs or s.peft != "none":
+        return 0.0
+    from shardtune.models.liger_rules import fused_loss_chunk
+
+    def chunks(rows: int) -> int:
+        return -(-s.tokens // fused_loss_chunk(s.tokens, m.vocab, m.hidden, rows)[1])
+
+    head_grad = 2 * 4 * m.vocab * m.hidden
+    return (chunks(s.liger_chunk) - chunks(0)) * s.grad_accum * head_grad / (hw.hbm_bytes_per_s * FUSED_CHUNK_EFF)
 
 
 def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
@@ -224,11 +245,12 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     overhead = STEP_OVERHEAD_S * s.grad_accum
     if s.activation_checkpointing == "selective":
         overhead += SELECTIVE_LAYER_S * m.layers * s.grad_accum
-    seconds = compute + optim + copies + exposed + offload + overhead
+    chunks = fused_chunk_seconds(m, s, hw)
+    seconds = compute + optim + copies + exposed + offload + overhead + chunks
     tps = tokens / seconds
     mfu = tps * model_flops_per_token(m, s) / hw.bf16_flops
     return StepTime(seconds=seconds, tokens_per_sec_per_gpu=tps, mfu=mfu,
                     terms={"compute": compute, "optimizer": optim, "gather_copies": copies, "communication": exposed,
-                           "offload": offload,
+                           "offload": offload, "fused_loss_chunks": chunks,
                            "overhead": overhead},
                     comm_bytes=comm_bytes(m, s))
