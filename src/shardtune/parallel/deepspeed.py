@@ -40,7 +40,7 @@ SUPPORTS = {
     "train.precision": ("fp32", "bf16", "fp16"),  # fp16 on GPUs only (check)
     "parallel.activation_offload": ("false",),
     "parallel.shard_frozen": ("true",),
-    "parallel.one_gpu": ("auto", "fsdp2"),
+    "parallel.one_gpu": ("fsdp2",),
 }
 REFUSALS = {
     ("parallel.strategy", "hsdp"): "parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; "

@@ -79,7 +79,7 @@ SUPPORTS = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "parallel.activation_offload": ("false", "true"),
     "parallel.shard_frozen": ("true", "false"),
-    "parallel.one_gpu": ("auto", "fsdp2", "direct"),
+    "parallel.one_gpu": ("fsdp2", "direct"),
 }
 REFUSALS = {
     ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "

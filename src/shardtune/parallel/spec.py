@@ -24,7 +24,8 @@ SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
     "parallel.activation_offload": lambda cfg: "true" if cfg.parallel.activation_offload else "false",
     # auto is checked as true: where it keeps weights whole (fsdp2 on one process) explicit false runs too
     "parallel.shard_frozen": lambda cfg: "false" if cfg.parallel.shard_frozen is False else "true",
-    "parallel.one_gpu": lambda cfg: cfg.parallel.one_gpu,
+    # auto is checked as fsdp2: it takes direct only on the FSDP2 backend, where it runs (fsdp2.runs_direct)
+    "parallel.one_gpu": lambda cfg: "direct" if cfg.parallel.one_gpu == "direct" else "fsdp2",
 }
 
 
