@@ -59,12 +59,14 @@ def test_the_exported_model_is_the_fp32_masters(runs):
     assert all(t.dtype.itemsize == 4 for t in got.values())  # fp32: the bf16 copies would differ by ~1e-3
 
 
-def test_a_direct_checkpoint_resumes_under_fsdp2(cli, runs, tmp_path):
-    """The DCP files hold the masters and AdamW's state under the parameters' names, as FSDP2's do."""
+@pytest.mark.parametrize("first, then", [("direct", "fsdp2"), ("fsdp2", "auto")])
+def test_a_checkpoint_resumes_across_the_two(cli, runs, tmp_path, first, then):
+    """The DCP files hold the masters and AdamW's state under the parameters' names, as FSDP2's do; so a run
+    checkpointed under FSDP2 before `auto` made one GPU direct goes on under the new default."""
     out = tmp_path / "run"
-    _train(cli, out, "parallel.one_gpu=direct", "train.stop_after_step=2")
-    resumed = _train(cli, out, "parallel.one_gpu=fsdp2", "--resume")
-    full = runs["direct"][1]
+    _train(cli, out, f"parallel.one_gpu={first}", "train.stop_after_step=2")
+    resumed = _train(cli, out, f"parallel.one_gpu={then}", "--resume")
+    full = runs[first][1]
     for step in (3, 4):
         assert resumed[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6, abs=1e-6), step
 
