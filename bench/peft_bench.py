@@ -4,10 +4,11 @@
     python bench/peft_bench.py --size 8b --runs lora:1,lora:1:lg --baselines lora:1,lora:1:lg --steps 40
     python bench/peft_bench.py --size tiny --runs lora:2,qlora:2 --baselines lora:1     # CPU plumbing
 
-A run is METHOD:NPROC[:c][:lg|:lgl][:sel][:sf] (c: parallel.compile=true, each decoder block compiled; lg: Liger-Kernel,
-model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline; lgl: model.liger=loss, Liger's
-fused linear + cross-entropy only, shardtune runs only; sel: shardtune's selective activation checkpointing
-instead of full; sf: parallel.shard_frozen=false, the frozen base kept out of FSDP2).
+A run is METHOD:NPROC[:c][:lg|:lgl][:sel][:sf][:dir][:ch] (c: parallel.compile=true, each decoder block compiled; lg:
+Liger-Kernel, model.liger=true for shardtune, HF_LIGER=1 (use_liger_kernel=True) for the baseline; lgl:
+model.liger=loss, Liger's fused linear + cross-entropy only, shardtune runs only; sel: shardtune's selective
+activation checkpointing instead of full; sf: parallel.shard_frozen=false, the frozen base kept out of FSDP2; dir:
+parallel.one_gpu=direct, one process without FSDP2; ch: model.liger_chunk=1024, the fused loss in 1024-token chunks).
 Every step is timed (shardtune log.every=1); rows are the median over the steps after --warmup with min-max.
 shardtune: the preset of --size, long random text (full rows), seq 2048,
 micro-batch 2, bf16, activation checkpointing, zero3, r=16 on all attention + MLP projections.
@@ -33,14 +34,18 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
            "8b": ("llama-3-8b", 2048, "bf16"), "70b": ("llama-3-70b", 2048, "bf16")}
 
 
+# Run flags that are shardtune overrides (the run's tag and label name them).
+FLAG_OVERRIDES = {"sf": "parallel.shard_frozen=false", "dir": "parallel.one_gpu=direct", "ch": "model.liger_chunk=1024"}
+
+
 def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, steps: int, mbs: int,
                   compile_blocks: bool = False, liger: bool | str = False, warmup: int = 10, ac: str = "full",
-                  extra: tuple[str, ...] = (), local: bool = False) -> dict:
+                  extra: tuple[str, ...] = (), knobs: tuple[str, ...] = ()) -> dict:
     preset, seq, prec = PRESETS[size]
     tag = f"{method}_{nproc}" + ("_c" if compile_blocks else "") + \
         {False: "", True: "_lg", "loss": "_lgl"}[liger] + \
-        ("_sel" if ac == "selective" else "") + ("_sf" if local else "")
-    extra = (*extra, "parallel.shard_frozen=false") if local else extra
+        ("_sel" if ac == "selective" else "") + "".join(f"_{k}" for k in knobs)
+    extra = (*extra, *(FLAG_OVERRIDES[k] for k in knobs))
     run_dir = out / f"st_{tag}"
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", str(nproc),
            f"model.preset={preset}", f"data.train_file={data}", "data.eval_fraction=0", f"train.seq_len={seq}",
@@ -51,9 +56,9 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
            f"model.liger={str(liger).lower()}", *extra]
     proc = _run(cmd)
     (out / f"st_{tag}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    result = {"who": "shardtune", "method": _label(method, compile_blocks, liger) + ("+sel" if ac == "selective"
-                                                                                    else "") + ("+sf" if local else ""),
-              "nproc": nproc, "rc": proc.returncode}
+    label = _label(method, compile_blocks, liger) + ("+sel" if ac == "selective" else "")
+    result = {"who": "shardtune", "method": label + "".join(f"+{k}" for k in knobs), "nproc": nproc,
+              "rc": proc.returncode}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"loss"' in x]
@@ -103,15 +108,16 @@ def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess
         return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + "\nTIMEOUT")
 
 
-def _pairs(spec: str) -> list[tuple[str, int, bool, bool | str, str, bool]]:
-    """'lora:1,qlora:2:c:lg:sel' -> [('lora', 1, False, False, 'full', False), ('qlora', 2, True, True, 'selective',
-    False)] (c: compile each block; lg: Liger-Kernel; lgl: its fused loss only; sel: selective activation
-    checkpointing; sf: parallel.shard_frozen=false; the last two shardtune only)."""
+def _pairs(spec: str) -> list[tuple[str, int, bool, bool | str, str, tuple[str, ...]]]:
+    """'lora:1,qlora:2:c:lg:sel:dir' -> [('lora', 1, False, False, 'full', ()), ('qlora', 2, True, True,
+    'selective', ('dir',))] (c: compile each block; lg: Liger-Kernel; lgl: its fused loss only; sel: selective
+    activation checkpointing; sf, dir, ch: FLAG_OVERRIDES; the last four shardtune only)."""
     out = []
     for item in filter(None, spec.split(",")):
         method, n, *flags = item.split(":")
         liger = "loss" if "lgl" in flags else "lg" in flags
-        out.append((method, int(n), "c" in flags, liger, "selective" if "sel" in flags else "full", "sf" in flags))
+        knobs = tuple(k for k in FLAG_OVERRIDES if k in flags)
+        out.append((method, int(n), "c" in flags, liger, "selective" if "sel" in flags else "full", knobs))
     return out
 
 
@@ -146,7 +152,7 @@ def main() -> None:
     if args.first == "shardtune":
         jobs.sort(key=lambda j: j[0] != "shardtune")
     start = time.monotonic()
-    for who, method, n, compile_blocks, liger, ac, local in jobs:
+    for who, method, n, compile_blocks, liger, ac, knobs in jobs:
         left = args.budget - (time.monotonic() - start)
         if args.budget and left < args.min_run:
             print(f"skipped {who} {_label(method, compile_blocks, liger)}: {left:.0f} s of the budget left")
@@ -157,7 +163,7 @@ def main() -> None:
             results.append(baseline_run(method, n, args.size, out, args.steps, args.mbs, liger, args.warmup))
         else:
             results.append(shardtune_run(method, n, args.size, data, out, args.steps, args.mbs, compile_blocks,
-                                         liger, args.warmup, ac, tuple(shlex.split(args.extra)), local))
+                                         liger, args.warmup, ac, tuple(shlex.split(args.extra)), knobs))
         print(json.dumps(results[-1]), flush=True)
         # Written after every run: a call that runs out of time still leaves what it measured.
         (out / "peft_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))

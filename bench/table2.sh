@@ -6,7 +6,7 @@
 #
 #   run tool: kind nvidia-h200, carry [".whl"], timeout_s 600, command: bash bench/table2.sh
 #
-# Knobs: RUNS and BASELINES (bench/peft_bench.py specs METHOD:NPROC[:c][:lg]), STEPS (40), WARMUP (10),
+# Knobs: RUNS and BASELINES (bench/peft_bench.py specs METHOD:NPROC[:c][:lg|:lgl][:sel][:sf][:dir][:ch]), STEPS (40), WARMUP (10),
 # BUDGET (seconds for the whole script, 560), MBS (2), SIZE (8b), EXTRA (overrides for every shardtune run, e.g.
 # EXTRA='log.memory_snapshot=[3,3]': each run's memory/rank0.txt is copied to $OUT/memory/, and profile/*.txt
 # to $OUT/profile/).
