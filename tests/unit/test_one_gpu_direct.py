@@ -137,11 +137,12 @@ def test_auto_runs_direct_only_where_it_was_measured(overrides, world, direct) -
         assert setting_from_config(searched, world, world).replace(strategy=strategy).one_gpu_direct is direct
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_peft_trains_as_fsdp2_on_a_mesh_of_one(cli, tmp_path, method):
-    """LoRA / QLoRA (adapters trained, base frozen, full checkpointing, two micro-batches a step): the direct path
-    gives FSDP2's losses and grad norms, so widening `one_gpu: auto` to PEFT (once measured on a GPU) changes no
-    result. Before this test the same was checked by hand (2026-12-04, sixteenth session)."""
+@pytest.mark.parametrize("method", ["none", "lora", "qlora"])
+def test_checkpointed_runs_train_as_fsdp2_on_a_mesh_of_one(cli, tmp_path, method):
+    """Full activation checkpointing, two micro-batches a step: full fine-tuning (the default path on one GPU now)
+    and LoRA / QLoRA (adapters trained, base frozen) give FSDP2's losses and grad norms on the direct path, so
+    widening `one_gpu: auto` to PEFT (once measured on a GPU) changes no result. Before this test PEFT was checked
+    by hand (2026-12-04, sixteenth session)."""
     peft = [f"peft.method={method}", "peft.r=4", "parallel.activation_checkpointing=full", "train.lr=0.01"]
     runs = {mode: _train(cli, tmp_path / mode, f"parallel.one_gpu={mode}", *peft) for mode in ("fsdp2", "direct")}
     assert sorted(runs["direct"]) == [1, 2, 3, 4]
