@@ -115,10 +115,13 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path, precision):
+    """fp32: FSDP2 on the one process, the skip decided on the host before the update; bf16: the one-GPU default
+    (parallel.one_gpu: direct), where fused AdamW skips it itself (found_inf) and the host learns it after."""
     out = tmp_path / "run"
     proc = _launch(*_args(out, tmp_path / "cache", MICRO, "train.max_steps=5", "checkpoint.every_steps=1",
-                          "checkpoint.keep_last=5"), nan_steps="3")
+                          "checkpoint.keep_last=5", f"train.precision={precision}"), nan_steps="3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 3: non-finite loss or gradient norm; update skipped" in proc.stderr
     records = _records(out)
