@@ -260,7 +260,7 @@ class FSDP2Backend:
         the one host read of the step comes after the update is queued, not before (the plain tensors here; a
         DTensor's shape-[1] flag fails the fused kernel, see train.optim.use_fused). The same update as clipping
         first, to rounding."""
-        norm = total_grad_norm([master for _, master in self.pairs])
+        norm = total_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()])  # as clip_grad_norm
         finite = torch.isfinite(norm)
         if self.max_grad_norm > 0:  # clip_grads_with_norm_'s factor, as a divisor
             self.optimizer.grad_scale = (norm + 1e-6).div(self.max_grad_norm).clamp(min=1.0)
