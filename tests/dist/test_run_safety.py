@@ -117,8 +117,8 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path, precision):
-    """fp32: FSDP2 on the one process, the skip decided on the host before the update; bf16: the one-GPU default
-    (parallel.one_gpu: direct), where fused AdamW skips it itself (found_inf) and the host learns it after."""
+    """fp32: FSDP2 on the one process; bf16: the one-GPU default for full fine-tuning (parallel.one_gpu: direct),
+    whose fp32 masters and their compute-dtype copies must both stay as the step before left them."""
     out = tmp_path / "run"
     proc = _launch(*_args(out, tmp_path / "cache", MICRO, "train.max_steps=5", "checkpoint.every_steps=1",
                           "checkpoint.keep_last=5", f"train.precision={precision}"), nan_steps="3")

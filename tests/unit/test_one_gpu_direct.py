@@ -46,7 +46,7 @@ def test_direct_trains_as_fsdp2_on_a_mesh_of_one(runs):
         assert direct[step]["loss"] == pytest.approx(fsdp2[step]["loss"], rel=1e-6, abs=1e-6), step
         assert direct[step]["grad_norm"] == pytest.approx(fsdp2[step]["grad_norm"], rel=1e-5), step
     assert fsdp2[4]["loss"] < fsdp2[1]["loss"]  # it trained
-    # Every step clipped (norm > optim.max_grad_norm = 1), which the direct path does inside fused AdamW.
+    # Every step clipped (norm > optim.max_grad_norm = 1): the direct path clips its fp32 masters' gradients.
     assert all(r["grad_norm"] > 1.0 for r in direct.values())
 
 
@@ -145,10 +145,7 @@ def test_checkpointed_runs_train_as_fsdp2_on_a_mesh_of_one(cli, tmp_path, method
     and LoRA / QLoRA (adapters trained, base frozen) give FSDP2's losses and grad norms on the direct path, so
     widening `one_gpu: auto` to PEFT (once measured on a GPU) changes no result. Before this test PEFT was checked
     by hand (2026-12-04, sixteenth session)."""
-    # A clip that never bites (its factor clamped to 1): the direct path clips inside fused AdamW (each gradient
-    # divided by the factor's reciprocal, not multiplied by it), the same update to rounding, which at this
-    # learning rate grows to ~2e-5 of the full fine-tuning loss by step 4 when it bites; the runs above clip
-    # (grad norms 2.1-2.4) at the default rate and agree to 1e-6.
+    # A clip that never bites at this learning rate (the runs above clip, grad norms 2.1-2.4).
     peft = [f"peft.method={method}", "peft.r=4", "parallel.activation_checkpointing=full", "train.lr=0.01",
             "optim.max_grad_norm=1000"]
     runs = {mode: _train(cli, tmp_path / mode, f"parallel.one_gpu={mode}", *peft) for mode in ("fsdp2", "direct")}

@@ -231,8 +231,6 @@ class FSDP2Backend:
         return loss.detach()
 
     def step(self) -> torch.Tensor:
-        if self.places and self.scaler is None and self.optimizer.defaults.get("fused"):
-            return self._step_in_fused_adamw()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()], self.max_grad_norm)
@@ -250,30 +248,6 @@ class FSDP2Backend:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.places and not self.step_skipped:
-            self._masters_to_compute()
-        return norm
-
-    def _step_in_fused_adamw(self) -> torch.Tensor:
-        """parallel.one_gpu: direct with fused AdamW: the clipping and the non-finite skip go into the optimizer's
-        kernel, through the `grad_scale` / `found_inf` it takes from GradScaler (it divides every gradient by
-        grad_scale, and leaves every weight as it was when found_inf is 1). No multiply over the gradients, and
-        the one host read of the step comes after the update is queued, not before (the plain tensors here; a
-        DTensor's shape-[1] flag fails the fused kernel, see train.optim.use_fused). The same update as clipping
-        first, to rounding."""
-        norm = total_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()])  # as clip_grad_norm
-        finite = torch.isfinite(norm)
-        if self.max_grad_norm > 0:  # clip_grads_with_norm_'s factor, as a divisor
-            self.optimizer.grad_scale = (norm + 1e-6).div(self.max_grad_norm).clamp(min=1.0)
-        if self.skip_nonfinite:
-            self.optimizer.found_inf = (~finite).float()
-        try:
-            self.optimizer.step()
-        finally:
-            self.optimizer.__dict__.pop("grad_scale", None)
-            self.optimizer.__dict__.pop("found_inf", None)
-        self.step_skipped = self.skip_nonfinite and not bool(finite)
-        self.optimizer.zero_grad(set_to_none=True)
-        if not self.step_skipped:
             self._masters_to_compute()
         return norm
 
@@ -317,20 +291,14 @@ class FSDP2Backend:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """Global L2 grad norm over all ranks (DTensor shards included)."""
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 grad norm over all ranks (DTensor shards included); clips when max_norm > 0."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # sum of squares over the shards of every rank
-    return total
-
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 grad norm over all ranks (DTensor shards included); clips when max_norm > 0."""
-    total = total_grad_norm(params)
-    if max_norm > 0 and any(p.grad is not None for p in params):
+    if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
