@@ -3,6 +3,7 @@ the choice, without torch, so `plan` reads them on a login node without the impo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Literal
 
@@ -62,6 +63,7 @@ def _liger_chunk_rows(tokens: int, vocab: int, hidden: int, mem_const: int) -> i
     return min(1 << max(0, (-(-tokens // inc) - 1).bit_length()), tokens)
 
 
+@functools.lru_cache(maxsize=64)  # the fused loss asks once per micro-batch, always the same few shapes
 def fused_loss_chunk(tokens: int, vocab: int, hidden: int, rows: int) -> tuple[int, int]:
     """(Liger's chunk_mem_const, the rows per chunk it gives) for `model.liger_chunk` = `rows`: the largest
     constant whose chunk is at most max(rows, Liger's own chunk); rows 0 keeps Liger's own (constant 1).

@@ -92,7 +92,7 @@ def describe(s: Setting) -> str:
         parts.append("saved activations in host memory")
     if s.frozen_local:
         parts.append("frozen base whole on each GPU")
-    if s.one_gpu_direct and s.strategy != "ddp":
+    if s.one_gpu_direct:
         parts.append("without FSDP2 (one_gpu direct)")
     parts.append(f"micro-batch {s.micro_batch_size}")
     if s.liger_kernels or s.fused_loss_runs:
