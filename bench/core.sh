@@ -29,6 +29,8 @@
 #              "'log.profile={start: 20, steps: 2}'" (a value with spaces in its own quotes)
 #   BEXTRA     extra hf_baseline.py arguments, e.g. "--steps 30"
 #   SECOND_REF a second ratio column (summarize.py --second-ref; default fsdp2c)   SPREAD=1  a min-max column
+#   SRC        the shardtune source tree the runs import (default ./src); e.g. an earlier commit's, unpacked
+#              by bench/ab_1b.sh, to compare two versions in one call
 #   SKIP_INSTALL=1  do not pip-install .whl (automatic when there is no GPU or no .whl/*.whl)
 # Writes $OUT/{env.txt,logs.txt,results.jsonl,metrics.jsonl,table.md} (the device returns at most 8 files).
 set -u   # no -e: a failing run is recorded and the benchmark goes on
@@ -62,10 +64,11 @@ if [ "${SKIP_INSTALL:-0}" != 1 ] && [ "$HAVE_GPU" = 1 ] && ls .whl/*.whl >/dev/n
 else
   echo "== skipping pip install (SKIP_INSTALL=${SKIP_INSTALL:-0}, gpu=$HAVE_GPU, wheels=$(ls .whl/*.whl 2>/dev/null | wc -l))"
 fi
+SRC=${SRC:-$ROOT/src}
 if [ "$INSTALLED" = 1 ]; then
-  export PYTHONPATH=/tmp/site:$ROOT/src
+  export PYTHONPATH=/tmp/site:$SRC
 else
-  export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 {

@@ -25,6 +25,31 @@ class DistContext:
         return self.rank == 0
 
 
+class HostCopy:
+    """Device scalars copied to host memory behind the kernels queued so far; `values()` waits for that copy only.
+
+    `float(t)` on a GPU tensor queues its copy behind everything on the stream, so read after an optimizer step
+    is queued it waits for the step, and the GPU then idles while the host prepares the next one. Copied (into
+    pinned memory) before the step is queued and read after, the host waits only for the work before the copy,
+    and the optimizer's kernels keep the GPU busy while the host goes on. On a CPU: the values as they are."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        flat = torch.stack([t.detach().float().reshape(()) for t in tensors])
+        self._event: torch.cuda.Event | None = None
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def values(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 def device_type() -> str:
     """"cuda" on a machine with a GPU, else "cpu": the device every process of a run here trains on."""
     return "cuda" if torch.cuda.is_available() else "cpu"

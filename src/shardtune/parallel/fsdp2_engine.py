@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardtune.config import ParallelConfig
-from shardtune.dist import DistContext
+from shardtune.dist import DistContext, HostCopy
 from shardtune.fileio import jsonable
 from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.weights import WeightSource, load_weights
@@ -137,11 +137,14 @@ class FSDP2Backend:
         of the 1B shape on one H200: ~24 ms of a 155 ms step in copies, bench/RESULTS.md 2026-12-04)."""
         load_weights(model, weights, self.ctx.device)
         self.module = self.model = model
+        cast_adapters_in_forward(model, self.compute_dtype)
         seen: dict[int, nn.Parameter] = {}
         for owner in model.modules():
             for name, master in list(owner._parameters.items()):
                 if master is None or not master.requires_grad or master.dtype == self.compute_dtype:
                     continue  # frozen, or already in the compute dtype (fp32 runs): used as it is
+                if isinstance(owner, CastLinear):
+                    continue  # an adapter's matrix: cast inside its forward
                 if id(master) not in seen:
                     seen[id(master)] = nn.Parameter(master.detach().to(self.compute_dtype))
                     # Each gradient goes to its master as soon as backward has made it, and is freed: at most a
@@ -231,6 +234,8 @@ class FSDP2Backend:
         return loss.detach()
 
     def step(self) -> torch.Tensor:
+        if self.direct and self.scaler is None and self.optimizer.defaults.get("fused"):
+            return self._step_in_fused_adamw()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()], self.max_grad_norm)
@@ -249,6 +254,32 @@ class FSDP2Backend:
         self.optimizer.zero_grad(set_to_none=True)
         if self.places and not self.step_skipped:
             self._masters_to_compute()
+        return norm
+
+    def _step_in_fused_adamw(self) -> torch.Tensor:
+        """parallel.one_gpu: direct with fused AdamW: the clipping and the non-finite skip go into the optimizer's
+        kernel, through the `grad_scale` / `found_inf` it takes from GradScaler (it divides every gradient by
+        grad_scale, and leaves every weight and moment as they were when found_inf is 1). No multiply over the
+        gradients, and no wait before the update: the host reads the skip flag after the update and the cast
+        into the compute copies are queued, so the GPU runs them while the host prepares the next step (a
+        skipped step's cast rewrites the copies with what they held). The same update as clipping first, to
+        rounding. (Plain tensors only: a DTensor's shape-[1] flag fails the fused kernel, see
+        train.optim.use_fused.)"""
+        norm = total_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()])  # as clip_grad_norm
+        bad = (~torch.isfinite(norm)).float()
+        flag = HostCopy(bad)  # queued before the update: reading it below does not wait for the update
+        if self.max_grad_norm > 0:  # clip_grads_with_norm_'s factor, as a divisor
+            self.optimizer.grad_scale = (norm + 1e-6).div(self.max_grad_norm).clamp(min=1.0)
+        if self.skip_nonfinite:
+            self.optimizer.found_inf = bad
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.__dict__.pop("grad_scale", None)
+            self.optimizer.__dict__.pop("found_inf", None)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._masters_to_compute()
+        self.step_skipped = self.skip_nonfinite and flag.values()[0] > 0
         return norm
 
     @property
@@ -291,14 +322,59 @@ class FSDP2Backend:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 grad norm over all ranks (DTensor shards included); clips when max_norm > 0."""
+class CastLinear(nn.Linear):
+    """A LoRA adapter's A or B matrix under parallel.one_gpu: direct: its fp32 weight (the optimizer's master) is
+    cast to the compute dtype inside the forward, as FSDP2's mixed precision casts each block's parameters when it
+    runs, and autograd casts the gradient back into the master's fp32 `.grad`. No compute-dtype copy of the
+    adapters is kept through the step (8B LoRA r=16 on all projections: 84 MB, which put the direct path 0.08 GiB
+    over FSDP2's peak on one H200, bench/RESULTS.md call 48); under activation checkpointing the recompute casts
+    again. The same arithmetic as the copy: the compute-dtype weight, input and output, and an fp32 gradient."""
+
+    compute_dtype: torch.dtype = torch.bfloat16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+
+def cast_adapters_in_forward(model: nn.Module, dtype: torch.dtype) -> int:
+    """Make every plain LoRA layer's A and B matrices CastLinear (the class swapped in place: names, parameters
+    and state dicts unchanged), and stop PEFT casting the layer's input to their fp32 (it would be cast back).
+    DoRA and other variants read the matrices outside their forward: they keep the compute-dtype copy. Returns
+    how many matrices now cast in their forward."""
+    count = 0
+    for layer in model.modules():
+        adapters_a, adapters_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
+        if not isinstance(adapters_a, nn.ModuleDict) or not isinstance(adapters_b, nn.ModuleDict):
+            continue
+        if getattr(layer, "lora_variant", None) or getattr(layer, "use_dora", {}).get("default"):
+            continue
+        matrices = [m for m in (*adapters_a.values(), *adapters_b.values()) if type(m) is nn.Linear]
+        if len(matrices) != len(adapters_a) + len(adapters_b):
+            continue
+        layer.cast_input_dtype_enabled = False
+        for m in matrices:
+            m.__class__ = CastLinear
+            m.compute_dtype = dtype
+        count += len(matrices)
+    return count
+
+
+def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 grad norm over all ranks (DTensor shards included)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), device=params[0].device if params else None)
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # sum of squares over the shards of every rank
-    if max_norm > 0:
+    return total
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 grad norm over all ranks (DTensor shards included); clips when max_norm > 0."""
+    total = total_grad_norm(params)
+    if max_norm > 0 and any(p.grad is not None for p in params):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

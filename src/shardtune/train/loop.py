@@ -34,7 +34,7 @@ from shardtune.checkpoint.runlock import lock_run_dir
 from shardtune.config import Config, TrainConfig, dump_config, parse_size
 from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
 from shardtune.data.pipeline import DataBundle, build_data, skipped_line
-from shardtune.dist import DistContext, all_gather_floats, all_reduce_sum, init_distributed
+from shardtune.dist import DistContext, HostCopy, all_gather_floats, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
 from shardtune.fileio import jsonable
 from shardtune.metrics import comm
@@ -387,6 +387,9 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
                                               sync_grads=k == len(micro) - 1)
     interval.checkpoint_s += run.ckpt.before_update()  # an async save's copy must finish before the update
     _TEST_NAN[0] = 1.0
+    # rank 0's loss for the spike warning, copied before the update is queued: reading it after does not wait
+    # for the update (a plain read would, and the GPU would idle while the host prepares the next step)
+    loss_read = HostCopy(step_loss) if run.cfg.train.loss_spike_factor and ctx.is_main else None
     grad_norm = backend.step()
     if backend.step_applied:
         run.schedule.step()  # also after a skipped update: the LR is a function of the step number
@@ -394,8 +397,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     interval.add(step_loss, sum(b.num_tokens for b in micro), skipped)
     state.step = run.sampler.position = step + 1
     stop_bad = _count_bad_step(run, skipped)
-    if not skipped:
-        _watch_spikes(run, step_loss)
+    if not skipped and loss_read is not None:
+        _watch_spikes(run, loss_read.values()[0])
     request = signals.agree(ctx.device)  # every rank stops (or saves) after the same step
     if counter is not None:
         step_comm = counter.take()
@@ -442,13 +445,9 @@ def _count_bad_step(run: Run, skipped: bool) -> bool:
     return state.bad_in_row >= limit
 
 
-def _watch_spikes(run: Run, step_loss: torch.Tensor) -> None:
-    """Warn once per spike: rank 0's step loss above loss_spike_factor x the median of its last 50. The skip
-    check's host read has already waited for this step, so reading the loss costs a copy, not a sync."""
+def _watch_spikes(run: Run, loss: float) -> None:
+    """Warn once per spike: rank 0's step loss above loss_spike_factor x the median of its last 50."""
     factor, state = run.cfg.train.loss_spike_factor, run.state
-    if not factor or not run.ctx.is_main:
-        return
-    loss = float(step_loss)
     if len(state.recent) >= 10:
         median = statistics.median(state.recent)
         spike = loss > factor * median
@@ -654,7 +653,8 @@ def keep_global_batch(cfg: Config, saved: dict[str, Any], ctx: DistContext) -> C
 def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tensor:
     """Loss-carrying tokens of this step over all micro-batches and ranks, kept on the device
     (no host sync: the next step's kernels queue up behind the all-reduce)."""
-    count = torch.tensor(float(sum(b.num_target_tokens for b in micro)), device=device)
+    # torch.full, not torch.tensor: a host value copied into a GPU tensor waits for every kernel queued before it
+    count = torch.full((), float(sum(b.num_target_tokens for b in micro)), device=device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(count)
     return count

@@ -1,0 +1,54 @@
+#!/bin/bash
+# Issue 17, one device call: this tree's shardtune against an earlier commit's on table 1's 1B run (seq 2048,
+# micro-batch 4, bf16, compiled blocks, model.liger=loss, the one-GPU defaults), each logged every step (as
+# calls 42-46) and every 10 steps (as a user's run logs), with HF Trainer + DeepSpeed ZeRO-2 (+ Liger) in the
+# same call.
+#
+#   host, first:  rm -rf .ab_src && mkdir .ab_src && git archive COMMIT src | tar -x -C .ab_src
+#   run tool: kind nvidia-h200, carry [".whl", ".anchors", ".ab_src"], timeout_s 600, command: bash bench/ab_1b.sh
+#
+# Knobs: RUNS (default "old:1 new:1 new:10": TREE:LOG_EVERY, TREE old = .ab_src/src, new = ./src), BASELINES
+# (default "hft_ds2 hft_ds2_liger"), VARIANT (default zero2c_lgl), STEPS1 (45) / STEPS10 (160) steps of a run
+# logged every step / every 10, WARMUP (10), BUDGET (seconds for all, default 550).
+# CPU dry run: OUT=/tmp/ab SIZE=tiny SKIP_INSTALL=1 BASELINES= VARIANT=zero2 bash bench/ab_1b.sh
+# Writes $OUT/table.md (all rows) and $OUT/raw.tgz (each core.sh run's files).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+O=${OUT:-/tmp/bench_out}
+mkdir -p "$O"
+export SIZE=${SIZE:-1b} NPROC=1 WARMUP=${WARMUP:-10} SPREAD=1 REF=hft_ds2 SECOND_REF=hft_ds2_liger
+START=$SECONDS
+BUDGET=${BUDGET:-550}
+left() { echo $((BUDGET - (SECONDS - START))); }
+one() {  # one core.sh run into $O/$1: VARIANTS BASELINES STEPS EVERY SRC from the environment
+  local tag=$1 b
+  b=$(left)
+  [ "$b" -lt 60 ] && { echo "== $tag skipped: ${b}s left"; return; }
+  OUT=$O/$tag BUDGET=$b BEXTRA="--steps ${STEPS1:-45} --warmup $WARMUP" bash bench/core.sh > "$O/$tag.log" 2>&1
+  export SKIP_INSTALL=1  # installed once, by the first run, into /tmp/site
+  [ -d /tmp/site ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
+  grep -h '^| ' "$O/$tag/table.md" | grep -v '^| variant\|^|---' | sed "s/^| /| $tag: /" | tee -a "$O/rows.md"
+}
+: > "$O/rows.md"
+[ -n "${BASELINES-hft_ds2 hft_ds2_liger}" ] && \
+  VARIANTS="" BASELINES=${BASELINES-hft_ds2 hft_ds2_liger} STEPS=${STEPS1:-45} EVERY=1 one baselines
+for r in ${RUNS:-old:1 new:1 new:10}; do
+  tree=${r%%:*} every=${r##*:}
+  src=$PWD/src
+  [ "$tree" = old ] && src=$PWD/.ab_src/src
+  [ -d "$src/shardtune" ] || { echo "== $r: no tree at $src"; continue; }
+  steps=${STEPS1:-45}
+  [ "$every" != 1 ] && steps=${STEPS10:-160}
+  VARIANTS=${VARIANT:-zero2c_lgl} BASELINES="" SRC=$src STEPS=$steps EVERY=$every one "${tree}_e$every"
+done
+{
+  echo "1b full fine-tuning, seq 2048, micro-batch 4, bf16, 1 GPU; medians of the logged records after step $WARMUP"
+  echo "(a run tagged _e1 logs every step: ${STEPS1:-45} steps; _e10 every 10: ${STEPS10:-160} steps)"
+  echo
+  echo "| run | tokens/s/GPU | min-max | ratio vs hft_ds2 | vs hft_ds2_liger | MFU | peak alloc GiB | peak reserved GiB | step time s |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  cat "$O/rows.md"
+} > "$O/table.md"
+tar czf "$O/raw.tgz" -C "$O" --exclude=raw.tgz --exclude=table.md . 2>/dev/null
+find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name raw.tgz -exec rm -rf {} +
+cat "$O/table.md"
