@@ -8,7 +8,7 @@
 #   run tool: kind nvidia-h200, carry [".whl", ".anchors", ".ab_src"], timeout_s 600, command: bash bench/ab_1b.sh
 #
 # Knobs: RUNS (default "old:1 new:1 new:10": TREE:LOG_EVERY, TREE old = .ab_src/src, new = ./src), BASELINES
-# (default "hft_ds2 hft_ds2_liger"), VARIANT (default zero2c_lgl), STEPS1 (45) / STEPS10 (160) steps of a run
+# (default "hft_ds2 hft_ds2_liger"), VARIANT (default zero2c_lgl_dir; core.sh runs FSDP2 unless the variant ends _dir), STEPS1 (45) / STEPS10 (160) steps of a run
 # logged every step / every 10, WARMUP (10), BUDGET (seconds for all, default 550).
 # CPU dry run: OUT=/tmp/ab SIZE=tiny SKIP_INSTALL=1 BASELINES= VARIANT=zero2 bash bench/ab_1b.sh
 # Writes $OUT/table.md (all rows) and $OUT/raw.tgz (each core.sh run's files).
@@ -39,7 +39,7 @@ for r in ${RUNS:-old:1 new:1 new:10}; do
   [ -d "$src/shardtune" ] || { echo "== $r: no tree at $src"; continue; }
   steps=${STEPS1:-45}
   [ "$every" != 1 ] && steps=${STEPS10:-160}
-  VARIANTS=${VARIANT:-zero2c_lgl} BASELINES="" SRC=$src STEPS=$steps EVERY=$every one "${tree}_e$every"
+  VARIANTS=${VARIANT:-zero2c_lgl_dir} BASELINES="" SRC=$src STEPS=$steps EVERY=$every one "${tree}_e$every"
 done
 {
   echo "1b full fine-tuning, seq 2048, micro-batch 4, bf16, 1 GPU; medians of the logged records after step $WARMUP"
