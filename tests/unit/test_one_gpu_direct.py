@@ -90,7 +90,7 @@ def test_the_planner_prices_direct_as_what_it_holds() -> None:
     from shardtune.models.presets import preset_config
     from shardtune.plan import describe
     from shardtune.plan.hardware import lookup
-    from shardtune.plan.memory import gpu_memory
+    from shardtune.plan.memory import gathered_parameters, gpu_memory
     from shardtune.plan.setting import setting_from_config
     from shardtune.plan.shape import model_shape
     from shardtune.plan.speed import gather_copy_seconds
@@ -101,6 +101,9 @@ def test_the_planner_prices_direct_as_what_it_holds() -> None:
     assert direct.one_gpu_direct and not setting_from_config(cfg, 2, 2).one_gpu_direct
     assert gpu_memory(one_b, direct).terms["gathered_parameters"] == one_b.params * 2
     assert gpu_memory(one_b, fsdp2).terms["gathered_parameters"] < one_b.params * 2 / 2
+    # LoRA's matrices cast in their forward (CastLinear): no copy of them is kept
+    lora = setting_from_config(load_config(TINY, ["train.precision=bf16", "peft.method=lora"]), 1, 1)
+    assert lora.one_gpu_direct and gathered_parameters(one_b, lora) == 0
     # one cast of the masters per step, against zero3's two gathers (each in and out) per micro-batch
     assert gather_copy_seconds(one_b, direct, h200) == pytest.approx(one_b.params * 6 / h200.hbm_bytes_per_s)
     assert gather_copy_seconds(one_b, direct, h200) < gather_copy_seconds(one_b, fsdp2, h200)
@@ -115,7 +118,9 @@ def test_the_planner_prices_direct_as_what_it_holds() -> None:
     (["parallel.strategy=zero3"], 1, True),
     ([], 2, False),                                  # several processes: FSDP2 shards
     (["parallel.strategy=ddp"], 1, False),
-    (["peft.method=lora"], 1, False),                # not measured on a GPU yet: FSDP2
+    (["peft.method=lora"], 1, True),                 # measured: 8B LoRA / QLoRA 4% / 7% faster at the same peak
+    (["peft.method=qlora"], 1, True),
+    (["peft.method=lora", "peft.base_dtype=fp32"], 1, False),  # direct computes with the base as stored
     (["train.precision=fp32"], 1, False),
     (["optim.name=adamw8bit"], 1, False),
     (["parallel.one_gpu=fsdp2"], 1, False),

@@ -40,15 +40,15 @@ def frozen_whole(parallel: ParallelConfig, world: int) -> bool:
 
 
 def direct_applies(one_gpu: str, *, world: int, strategy: str, peft: str, precision: str, optim: str,
-                   activation_offload: bool) -> bool:
+                   activation_offload: bool, base_dtype: str = "auto") -> bool:
     """Whether zero2 / zero3 run without FSDP2 (parallel.one_gpu = `one_gpu`; `world`: every process of the
-    job). auto: only where it was measured to pay (bench/RESULTS.md 2026-12-04, seventeenth session: 1B full
-    fine-tuning on one H200, bf16, AdamW: 7% faster at the same peak); LoRA / QLoRA, fp32, 8-bit AdamW and
-    offloaded activations keep FSDP2 until measured."""
+    job). auto: only where it was measured to pay (bench/RESULTS.md 2026-12-04, seventeenth and eighteenth
+    sessions, one H200, bf16, AdamW: 1B full fine-tuning 7% faster at the same peak; 8B LoRA / QLoRA 4% / 7%
+    faster at the same peak); fp32, 8-bit AdamW, offloaded activations and an fp32 frozen base keep FSDP2."""
     if world != 1 or strategy not in ("zero2", "zero3") or one_gpu == "fsdp2":
         return False
-    return one_gpu == "direct" or (peft == "none" and precision == "bf16" and optim == "adamw"
-                                   and not activation_offload)
+    return one_gpu == "direct" or (precision == "bf16" and optim == "adamw" and not activation_offload
+                                   and (peft == "none" or base_dtype != "fp32"))
 
 
 def runs_direct(cfg: Config, world: int) -> bool:
@@ -56,7 +56,7 @@ def runs_direct(cfg: Config, world: int) -> bool:
     p = cfg.parallel
     return direct_applies(p.one_gpu, world=world, strategy=p.strategy, peft=cfg.peft.method,
                           precision=cfg.train.precision, optim=cfg.optim.name,
-                          activation_offload=p.activation_offload)
+                          activation_offload=p.activation_offload, base_dtype=cfg.peft.base_dtype)
 
 
 def hsdp_shard_size(parallel: ParallelConfig, world: int, per_node: int) -> int:

@@ -79,8 +79,10 @@ class Fsdp2Rules:
         forward (models/liger.install_fused_loss), the plain loss after it, once the root has resharded."""
         p = s.compute_bytes
         largest, whole, blocks = sizes
-        if s.one_gpu_direct:  # parallel.one_gpu: direct: compute-dtype copies of the trainable weights, kept
-            return 0.0 if p == 4 else (m.params if s.peft == "none" else m.lora_params) * p
+        if s.one_gpu_direct:  # parallel.one_gpu: direct: compute-dtype copies of the trained weights, kept;
+            # LoRA's matrices cast in their forward instead (parallel/fsdp2_engine.CastLinear; 8B LoRA's peak on
+            # one H200 was FSDP2's to 0.1 MB, bench/RESULTS.md call 50)
+            return 0.0 if p == 4 or s.peft != "none" else m.params * p
         if self.param_shards(s) == 1 and s.strategy != "ddp" and s.peft != "none" and s.frozen_bytes == p:
             # Measured on one H200 (8B LoRA and 8B / 70B QLoRA, zero3): without Liger nothing gathered at the
             # peak; with its fused loss, FSDP2's all-gather outputs of the root (3 tensors, 2,004 MiB on the 8B

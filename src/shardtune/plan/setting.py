@@ -75,7 +75,7 @@ class Setting:
 
         return self.rules.has_one_gpu_direct and direct_applies(
             self.one_gpu, world=self.world, strategy=self.strategy, peft=self.peft, precision=self.precision,
-            optim=self.optim, activation_offload=self.activation_offload)
+            optim=self.optim, activation_offload=self.activation_offload, base_dtype=self.base_dtype)
 
     @property
     def tokens(self) -> int:
