@@ -22,12 +22,12 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs if "loss" in r and not r.get("eval")}
 
 
-def _workers_seen(stop: threading.Event, seen: dict[int, tuple[str, str]]) -> None:
+def _workers_seen(stop: threading.Event, seen: dict[int, tuple[str, str]], before: set[int]) -> None:
     """The workers below this process, by pid: (their command line, their parent's). A worker is a process that
     torchrun's agent started with a RANK (Popen: /proc/PID/environ holds it) or a child of the forkserver (a fork,
     which never exec'd: its environ is still the forkserver's, and its command line too)."""
     while not stop.is_set():
-        for pid in descendants(os.getpid()):
+        for pid in set(descendants(os.getpid())) - before:  # not another test's forkserver left in this process
             try:
                 ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
                 parent = Path(f"/proc/{ppid}/cmdline").read_bytes().decode(errors="replace")
@@ -43,7 +43,8 @@ def _workers_seen(stop: threading.Event, seen: dict[int, tuple[str, str]]) -> No
 def test_forkserver_workers_are_forked_preloaded_and_train_as_popen_ones_do(tmp_path, data_cache):
     def launch(name: str, mode: str) -> dict[int, tuple[str, str]]:
         stop, seen = threading.Event(), {}
-        watcher = threading.Thread(target=_workers_seen, args=(stop, seen), daemon=True)
+        before = set(descendants(os.getpid()))
+        watcher = threading.Thread(target=_workers_seen, args=(stop, seen, before), daemon=True)
         watcher.start()
         try:
             proc = run_cli("train", TINY, "--nproc", "2", "--output-dir", str(tmp_path / name), "train.max_steps=3",
