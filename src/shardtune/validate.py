@@ -47,9 +47,10 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world, device=device_type())
-    from shardtune.models.liger_rules import check_liger
+    from shardtune.models.liger_rules import check_liger, head_adapted
 
-    check_liger(cfg.model.liger, device_type(), hf_config.model_type)
+    check_liger(cfg.model.liger, device_type(), hf_config.model_type,
+                adapted_head=head_adapted(cfg.peft.method, cfg.peft.target_modules))
     check_memory_snapshot(cfg, device_type())
     check_trackers(cfg)
     check_output_dir(cfg.train.output_dir)
@@ -173,9 +174,10 @@ def check_worker(cfg: Config, world: int) -> None:
     check_trackers(cfg)
     if cfg.model.liger is True or cfg.model.liger == "loss":
         from shardtune.models.build import load_hf_config
-        from shardtune.models.liger_rules import check_liger
+        from shardtune.models.liger_rules import check_liger, head_adapted
 
-        check_liger(cfg.model.liger, device_type(), load_hf_config(cfg.model).model_type)
+        check_liger(cfg.model.liger, device_type(), load_hf_config(cfg.model).model_type,
+                    adapted_head=head_adapted(cfg.peft.method, cfg.peft.target_modules))
     check_resume(cfg, world)
 
 

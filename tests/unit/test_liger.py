@@ -17,6 +17,7 @@ from shardtune.models.liger_rules import (
     check_liger,
     chunk_tokens,
     fused_loss_chunk,
+    head_adapted,
     liger_installed,
     liger_kernels_wanted,
     use_liger,
@@ -91,6 +92,26 @@ def test_which_kernels_each_setting_swaps_in():
 def test_validate_refuses_true_on_this_cpu_in_one_line(cli):
     one_line_error(cli("validate", TINY, "model.liger=true"), "model.liger: true needs CUDA GPUs")
     one_line_error(cli("validate", TINY, "model.liger=loss"), "model.liger: loss needs CUDA GPUs")
+
+
+def test_lora_on_the_head_keeps_the_plain_loss(cli):
+    """Liger's fused loss reads lm_head.weight alone: with LoRA on lm_head it would skip the adapter (zero gradient,
+    an untrained head adapter exported). `loss` is refused in one line; auto / true keep the plain loss, and the
+    planner prices that."""
+    from shardtune.plan.setting import setting_from_config
+
+    head = ["peft.method=lora", "peft.target_modules=[q_proj, v_proj, lm_head]"]
+    cfg = load_config(TINY, head)
+    assert head_adapted(cfg.peft.method, cfg.peft.target_modules)
+    assert not head_adapted("none", ["lm_head"]) and not head_adapted("lora", "all-linear")  # all-linear skips it
+    assert not head_adapted("lora", ["q_proj", "v_proj"])
+    with pytest.raises(ShardtuneError, match=r"remove lm_head from peft\.target_modules"):
+        check_liger("loss", "cuda", "llama", adapted_head=True)
+    if liger_installed():  # true: the kernels go in, the loss stays plain
+        check_liger(True, "cuda", "llama", adapted_head=True)
+    one_line_error(cli("validate", TINY, "model.liger=loss", *head), "puts a LoRA adapter on lm_head")
+    assert not setting_from_config(cfg, 1, 1, liger=True).fused_loss
+    assert setting_from_config(load_config(TINY, ["peft.method=lora"]), 1, 1, liger=True).fused_loss
 
 
 def _batch(seed: int = 0) -> Batch:

@@ -19,11 +19,24 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def check_liger(setting: LigerSetting, device_type: str, model_type: str) -> None:
-    """Refuse `model.liger: true` where it cannot run, in one line with the fix (auto and false never are)."""
+def head_adapted(method: str, targets: object) -> bool:
+    """peft.target_modules puts a LoRA adapter on the LM head (`lm_head`, the head of every LIGER_MODEL_TYPES
+    model). Liger's fused loss multiplies by the head's weight alone: it would skip the adapter, whose gradient
+    would stay zero and whose export would hold an untrained head adapter. Such runs keep the plain loss."""
+    return method != "none" and isinstance(targets, list) and any(str(t).rsplit(".", 1)[-1] == "lm_head"
+                                                                  for t in targets)
+
+
+def check_liger(setting: LigerSetting, device_type: str, model_type: str, *, adapted_head: bool = False) -> None:
+    """Refuse `model.liger: true` where it cannot run, in one line with the fix (auto and false never are).
+    `adapted_head`: head_adapted for the run's peft section."""
     if setting is not True and setting != "loss":
         return
     key = "true" if setting is True else setting
+    if setting == "loss" and adapted_head:
+        raise ShardtuneError("model.liger: loss computes the loss from the LM head's weight alone, and "
+                             "peft.target_modules puts a LoRA adapter on lm_head, which it would skip; remove "
+                             "lm_head from peft.target_modules, or set model.liger=auto (the loss then stays plain)")
     if device_type != "cuda":
         raise ShardtuneError(f"model.liger: {key} needs CUDA GPUs (Liger's kernels are Triton) and this machine has "
                              f"{device_type} only; set model.liger=auto (on only on GPUs) or false")

@@ -110,7 +110,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     """The Setting a Config describes; `auto` strategy / micro-batch take placeholders the search replaces.
     `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
     kernels go in as models.liger_rules.liger_kernels_wanted says."""
-    from shardtune.models.liger_rules import chunk_tokens, liger_kernels_wanted
+    from shardtune.models.liger_rules import chunk_tokens, head_adapted, liger_kernels_wanted
     from shardtune.parallel.fsdp2 import frozen_whole
 
     p, t = cfg.parallel, cfg.train
@@ -122,7 +122,8 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,
-        packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save, fused_loss=liger,
+        packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
+        fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),
         liger_chunk=chunk_tokens(cfg.model.liger_chunk, cfg.peft.method), world=world,
         per_node=per_node,

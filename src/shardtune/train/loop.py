@@ -263,19 +263,21 @@ def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: An
     """model.liger: Liger's kernels swapped into the meta model (before compile and sharding), and its fused
     linear + cross-entropy as the loss where the backend computes it in the model's forward (FSDP2, DDP)."""
     from shardtune.models.liger import apply_liger_kernels, install_fused_loss, liger_loss
-    from shardtune.models.liger_rules import chunk_tokens, liger_kernels_wanted, use_liger
+    from shardtune.models.liger_rules import chunk_tokens, head_adapted, liger_kernels_wanted, use_liger
 
     if not use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type):
         return
     kernels = liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile)
     if kernels:
         apply_liger_kernels(built.base)
-    fused = hasattr(backend, "fused_loss")
+    adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
+    fused = hasattr(backend, "fused_loss") and not adapted_head
     if fused:
         install_fused_loss(built.base, liger_loss(chunk_tokens(cfg.model.liger_chunk, cfg.peft.method)))
         backend.fused_loss = True
     parts = (["RMSNorm, RoPE, SwiGLU kernels"] if kernels else []) + (
-        ["fused linear + cross-entropy loss"] if fused else ["the loss stays plain on this backend"])
+        ["fused linear + cross-entropy loss"] if fused else
+        ["the loss stays plain (LoRA on lm_head)" if adapted_head else "the loss stays plain on this backend"])
     log_rank0(ctx.rank, "liger: " + ", ".join(parts))
 
 
