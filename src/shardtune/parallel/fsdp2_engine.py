@@ -348,7 +348,7 @@ def cast_adapters_in_forward(model: nn.Module, dtype: torch.dtype) -> int:
         adapters_a, adapters_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
         if not isinstance(adapters_a, nn.ModuleDict) or not isinstance(adapters_b, nn.ModuleDict):
             continue
-        if getattr(layer, "lora_variant", None) or getattr(layer, "use_dora", {}).get("default"):
+        if getattr(layer, "lora_variant", None) or any(getattr(layer, "use_dora", {}).values()):
             continue
         matrices = [m for m in (*adapters_a.values(), *adapters_b.values()) if type(m) is nn.Linear]
         if len(matrices) != len(adapters_a) + len(adapters_b):
