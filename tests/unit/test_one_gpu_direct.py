@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import MICRO, ROOT
 from safetensors.torch import load_file
 
@@ -160,3 +161,11 @@ def test_checkpointed_runs_train_as_fsdp2_on_a_mesh_of_one(cli, tmp_path, method
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-6), (method, step)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (method, step)
     assert runs["fsdp2"][4]["loss"] < runs["fsdp2"][1]["loss"]
+    if method != "none":  # the exported adapters: the trained fp32 masters (LoRA's matrices cast in their forward)
+        name = "adapter/adapter_model.safetensors"
+        got, want = (load_file(str(tmp_path / mode / name)) for mode in ("direct", "fsdp2"))
+        assert got.keys() == want.keys() and any("lora_B" in k for k in got)
+        for key in want:
+            assert got[key].dtype == want[key].dtype == torch.float32, key
+            assert (got[key] - want[key]).abs().max() <= 1e-6, key
+        assert all(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B starts at zero: it trained
