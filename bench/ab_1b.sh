@@ -11,7 +11,7 @@
 # (default "hft_ds2 hft_ds2_liger"), VARIANT (default zero2c_lgl_dir; core.sh runs FSDP2 unless the variant ends _dir), STEPS1 (45) / STEPS10 (160) steps of a run
 # logged every step / every 10, WARMUP (10), BUDGET (seconds for all, default 550).
 # CPU dry run: OUT=/tmp/ab SIZE=tiny SKIP_INSTALL=1 BASELINES= VARIANT=zero2 bash bench/ab_1b.sh
-# Writes $OUT/table.md (all rows) and $OUT/raw.tgz (each core.sh run's files).
+# Writes $OUT/table.md (all rows, ratios against the call's baselines: bench/combine.py), $OUT/results.jsonl and $OUT/raw.tgz (each core.sh run's files).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 O=${OUT:-/tmp/bench_out}
@@ -27,9 +27,9 @@ one() {  # one core.sh run into $O/$1: VARIANTS BASELINES STEPS EVERY SRC from t
   OUT=$O/$tag BUDGET=$b BEXTRA="--steps ${STEPS1:-45} --warmup $WARMUP" bash bench/core.sh > "$O/$tag.log" 2>&1
   export SKIP_INSTALL=1  # installed once, by the first run, into /tmp/site
   [ -d /tmp/site ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
-  grep -h '^| ' "$O/$tag/table.md" | grep -v '^| variant\|^|---' | sed "s/^| /| $tag: /" | tee -a "$O/rows.md"
+  TAGS="$TAGS $tag"
 }
-: > "$O/rows.md"
+TAGS=""
 [ -n "${BASELINES-hft_ds2 hft_ds2_liger}" ] && \
   VARIANTS="" BASELINES=${BASELINES-hft_ds2 hft_ds2_liger} STEPS=${STEPS1:-45} EVERY=1 one baselines
 for r in ${RUNS:-old:1 new:1 new:10}; do
@@ -45,10 +45,9 @@ done
   echo "1b full fine-tuning, seq 2048, micro-batch 4, bf16, 1 GPU; medians of the logged records after step $WARMUP"
   echo "(a run tagged _e1 logs every step: ${STEPS1:-45} steps; _e10 every 10: ${STEPS10:-160} steps)"
   echo
-  echo "| run | tokens/s/GPU | min-max | ratio vs hft_ds2 | vs hft_ds2_liger | MFU | peak alloc GiB | peak reserved GiB | step time s |"
-  echo "|---|---|---|---|---|---|---|---|---|"
-  cat "$O/rows.md"
+  # shellcheck disable=SC2086
+  python3 bench/combine.py "$O" $TAGS --results "$O/results.jsonl"
 } > "$O/table.md"
-tar czf "$O/raw.tgz" -C "$O" --exclude=raw.tgz --exclude=table.md . 2>/dev/null
-find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name raw.tgz -exec rm -rf {} +
+tar czf "$O/raw.tgz" -C "$O" --exclude=raw.tgz --exclude=table.md --exclude=results.jsonl . 2>/dev/null
+find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name raw.tgz ! -name results.jsonl -exec rm -rf {} +
 cat "$O/table.md"

@@ -9,7 +9,7 @@
 # Knobs: CHUNKS (default "0 1024 2048 8192", on zero2c_lgl_dir), FSDP2_CHUNKS (default "1024", on zero2c_lgl),
 # BASELINES (default "hft_ds2 hft_ds2_liger"), BUDGET (seconds for all, default 550); CPU dry run of the
 # plumbing: OUT=/tmp/lc SIZE=tiny SKIP_INSTALL=1 BASELINES= DIR_VARIANT=zero2_dir FSDP2_VARIANT=zero2 bash bench/liger_chunk.sh
-# Writes $OUT/table.md (all rows) and $OUT/raw.tgz (each core.sh run's files).
+# Writes $OUT/table.md (all rows, ratios against the call's baselines: bench/combine.py), $OUT/results.jsonl and $OUT/raw.tgz (each core.sh run's files).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 O=${OUT:-/tmp/bench_out}
@@ -26,9 +26,9 @@ one() {  # one core.sh run into $O/$1: VARIANTS BASELINES EXTRA from the environ
   OUT=$O/$tag BUDGET=$b bash bench/core.sh > "$O/$tag.log" 2>&1
   export SKIP_INSTALL=1  # installed once, by the first run, into /tmp/site
   [ -d /tmp/site ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
-  grep -h '^| ' "$O/$tag/table.md" | grep -v '^| variant\|^|---' | sed "s/^| /| $tag: /" | tee -a "$O/rows.md"
+  TAGS="$TAGS $tag"
 }
-: > "$O/rows.md"
+TAGS=""
 VARIANTS="" BASELINES=${BASELINES-hft_ds2 hft_ds2_liger} EXTRA="" one baselines
 for c in ${CHUNKS-0 1024 2048 8192}; do
   VARIANTS=${DIR_VARIANT:-zero2c_lgl_dir} BASELINES="" EXTRA="model.liger_chunk=$c" one "dir_c$c"
@@ -39,10 +39,9 @@ done
 {
   echo "1b full fine-tuning, seq 2048, micro-batch 4, bf16, 1 GPU; medians after step $WARMUP of $STEPS (log.every=1)"
   echo
-  echo "| run | tokens/s/GPU | min-max | ratio vs hft_ds2 | vs hft_ds2_liger | MFU | peak alloc GiB | peak reserved GiB | step time s |"
-  echo "|---|---|---|---|---|---|---|---|---|"
-  cat "$O/rows.md"
+  # shellcheck disable=SC2086
+  python3 bench/combine.py "$O" $TAGS --results "$O/results.jsonl"
 } > "$O/table.md"
-tar czf "$O/raw.tgz" -C "$O" --exclude=raw.tgz --exclude=table.md . 2>/dev/null
-find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name raw.tgz -exec rm -rf {} +
+tar czf "$O/raw.tgz" -C "$O" --exclude=raw.tgz --exclude=table.md --exclude=results.jsonl . 2>/dev/null
+find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name raw.tgz ! -name results.jsonl -exec rm -rf {} +
 cat "$O/table.md"

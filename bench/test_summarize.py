@@ -186,3 +186,29 @@ def test_table_shows_the_spread_and_a_second_reference(tmp_path: Path) -> None:
     assert rows["zero2c_lg"].startswith("| zero2c_lg | 52,000 | 50,000-53,000 (n=3) | 1.30 | 1.13 |")
     assert rows["hft_ds2"].startswith("| hft_ds2 | 40,000 | 39,000-41,000 (n=35) | 1.00 |")
     assert rows["hft_ds2_liger"].startswith("| hft_ds2_liger | 46,000 | – | 1.15 | 1.00 |")
+
+
+def test_combine_divides_every_tagged_run_by_the_calls_baselines(tmp_path: Path) -> None:
+    """ab_1b.sh / liger_chunk.sh: one core.sh run per tree or chunk size, the baselines in their own; the combined
+    table names each shardtune run by its tag and divides it by the baselines (which each run's own table could
+    not: call 49-51's tables printed '–')."""
+    import combine
+
+    def results(tag: str, *rows: dict) -> None:
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    shape = {"seq": 2048, "mbs": 4, "precision": "bf16", "status": "ok"}
+    results("baselines", {"name": "hft_ds2", "kind": "baseline", "tokens_per_s_per_gpu": 40000, **shape},
+            {"name": "hft_ds2_liger", "kind": "baseline", "tokens_per_s_per_gpu": 50000, **shape})
+    results("old_e1", {"name": "zero2c_lgl_dir", "kind": "shardtune", "tokens_per_s_per_gpu": 60000, **shape})
+    results("new_e1", {"name": "zero2c_lgl_dir", "kind": "shardtune", "tokens_per_s_per_gpu": 61000, **shape})
+    rows = {r["name"]: r for r in combine.combine(tmp_path, ["baselines", "old_e1", "new_e1", "missing"],
+                                                  "hft_ds2", "hft_ds2_liger")}
+    assert sorted(rows) == ["hft_ds2", "hft_ds2_liger", "new_e1: zero2c_lgl_dir", "old_e1: zero2c_lgl_dir"]
+    assert rows["old_e1: zero2c_lgl_dir"]["ratio_vs_hft_ds2"] == 1.5
+    assert rows["new_e1: zero2c_lgl_dir"]["ratio_vs_hft_ds2_liger"] == 1.22
+    table = summarize.render_table(list(rows.values()), "hft_ds2", "hft_ds2_liger", spread=True)
+    header, _, *lines = table.splitlines()
+    assert all(line.count("|") == header.count("|") for line in lines)  # every row fills every column
+    assert "| new_e1: zero2c_lgl_dir | 61,000 | – | 1.52 | 1.22 |" in table
