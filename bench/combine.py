@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from summarize import add_ratios, read_jsonl, render_table  # noqa: E402
+from summarize import add_ratios, read_jsonl, render_table
 
 
 def combine(folder: Path, tags: list[str], ref: str, second: str) -> list[dict]:
