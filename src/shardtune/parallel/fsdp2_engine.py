@@ -238,12 +238,16 @@ class FSDP2Backend:
             return self._step_in_fused_adamw()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = clip_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()], self.max_grad_norm)
+        params = [self.masters.get(id(p), p) for p in self.module.parameters()]
+        norm = total_grad_norm(params)
         # The norm is global, so every rank takes the same decision. fp16's scaler skips overflows itself (and
         # they are routine while it finds its scale); other precisions would write NaN into every weight. The
-        # one host read per step costs nothing on a CPU; on a GPU it waits for the step's kernels, which the
-        # optimizer step right after it needs anyway.
-        self.step_skipped = self.scaler is None and self.skip_nonfinite and not bool(torch.isfinite(norm))
+        # flag is copied before the clip is queued and read after, so the clip's multiply keeps the GPU busy
+        # while the host waits for the norm and then queues the update (the clip of a skipped step is wasted).
+        flag = HostCopy(~torch.isfinite(norm))
+        if self.max_grad_norm > 0 and any(p.grad is not None for p in params):
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        self.step_skipped = self.scaler is None and self.skip_nonfinite and flag.values()[0] > 0
         if self.step_skipped:
             pass
         elif self.scaler is not None:
@@ -265,7 +269,7 @@ class FSDP2Backend:
         skipped step's cast rewrites the copies with what they held). The same update as clipping first, to
         rounding. (Plain tensors only: a DTensor's shape-[1] flag fails the fused kernel, see
         train.optim.use_fused.)"""
-        norm = total_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()])  # as clip_grad_norm
+        norm = total_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()])  # as step()
         bad = (~torch.isfinite(norm)).float()
         flag = HostCopy(bad)  # queued before the update: reading it below does not wait for the update
         if self.max_grad_norm > 0:  # clip_grads_with_norm_'s factor, as a divisor
@@ -369,12 +373,4 @@ def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # sum of squares over the shards of every rank
-    return total
-
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 grad norm over all ranks (DTensor shards included); clips when max_norm > 0."""
-    total = total_grad_norm(params)
-    if max_norm > 0 and any(p.grad is not None for p in params):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
