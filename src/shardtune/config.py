@@ -295,7 +295,10 @@ class MlflowConfig(_Section):
 
 
 class LogConfig(_Section):
-    every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    every: int = Field(10, ge=1, description="Log metrics every N optimizer steps (and the last). Each log waits "
+                                             "for the GPU to finish its queue: every step cost 1B full fine-tuning "
+                                             "on one H200 0.9% of its tokens/s against every 10 (torchtitan's "
+                                             "default).")
     progress: bool = Field(True, description="Rich progress bar on rank 0.")
     jsonl: bool = Field(True, description="Write OUTPUT_DIR/metrics.jsonl.")
     system: bool = Field(True, description="Sample GPU utilisation, memory, power and temperature (NVML) or, "
