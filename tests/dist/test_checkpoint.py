@@ -560,3 +560,15 @@ def test_two_nodes_match_one_node_a_dead_node_is_one_line_and_the_checkpoint_res
     assert torch.isfinite(AutoModelForCausalLM.from_pretrained(exported)(input_ids=ids).logits).all()
     final, ref = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict() for d in (out, reference_run))
     assert max((final[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_every_minutes_saves_when_the_time_is_up(tmp_path, cache, nproc):
+    """checkpoint.every_minutes: a save after each step once the time is up (here 1.2 ms: every step of the tiny
+    run takes longer), rank 0's clock deciding on several processes; one process decides alone (no collective,
+    no wait for the GPU's queue each step). every_steps off, so only the clock saves before the end."""
+    out = tmp_path / "run"
+    train(out, cache, "checkpoint.every_steps=0", "checkpoint.every_minutes=0.00002", "checkpoint.keep_last=20",
+          "train.max_steps=4", nproc=nproc)
+    saved = sorted(p.name for p in complete_checkpoints(out / "checkpoints"))
+    assert saved == [f"step-{s:08d}" for s in range(1, 5)], saved

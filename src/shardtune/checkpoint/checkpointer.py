@@ -64,9 +64,11 @@ class Checkpointer:
         if self.cfg.every_steps and step % self.cfg.every_steps == 0:
             return True
         if self.cfg.every_minutes:
+            elapsed = time.monotonic() - self.last_time >= 60 * self.cfg.every_minutes
+            if self.ctx.world == 1:
+                return elapsed  # no one to agree with, and no wait for the GPU's queue each step
             # Ranks must agree: rank 0's clock decides.
-            flag = torch.tensor([float(time.monotonic() - self.last_time >= 60 * self.cfg.every_minutes)],
-                                device=self.ctx.device)
+            flag = torch.tensor([float(elapsed)], device=self.ctx.device)
             if dist.is_initialized():
                 dist.broadcast(flag, src=0)
             return bool(flag.item())

@@ -655,7 +655,8 @@ def keep_global_batch(cfg: Config, saved: dict[str, Any], ctx: DistContext) -> C
 def global_target_tokens(micro: list[Batch], device: torch.device) -> torch.Tensor:
     """Loss-carrying tokens of this step over all micro-batches and ranks, kept on the device
     (no host sync: the next step's kernels queue up behind the all-reduce)."""
-    # torch.full, not torch.tensor: a host value copied into a GPU tensor waits for every kernel queued before it
+    # torch.full, not torch.tensor: torch.tensor(x, device=cuda) is a blocking copy, which waits for every kernel
+    # queued before it (pytorch/pytorch#190217)
     count = torch.full((), float(sum(b.num_target_tokens for b in micro)), device=device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(count)
