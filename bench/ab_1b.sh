@@ -17,19 +17,10 @@ cd "$(dirname "$0")/.." || exit 1
 O=${OUT:-/tmp/bench_out}
 mkdir -p "$O"
 export SIZE=${SIZE:-1b} NPROC=1 WARMUP=${WARMUP:-10} SPREAD=1 REF=hft_ds2 SECOND_REF=hft_ds2_liger
+export BEXTRA="--steps ${STEPS1:-45} --warmup $WARMUP"
 START=$SECONDS
 BUDGET=${BUDGET:-550}
-left() { echo $((BUDGET - (SECONDS - START))); }
-one() {  # one core.sh run into $O/$1: VARIANTS BASELINES STEPS EVERY SRC from the environment
-  local tag=$1 b
-  b=$(left)
-  [ "$b" -lt 60 ] && { echo "== $tag skipped: ${b}s left"; return; }
-  OUT=$O/$tag BUDGET=$b BEXTRA="--steps ${STEPS1:-45} --warmup $WARMUP" bash bench/core.sh > "$O/$tag.log" 2>&1
-  export SKIP_INSTALL=1  # installed once, by the first run, into /tmp/site
-  [ -d /tmp/site ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
-  TAGS="$TAGS $tag"
-}
-TAGS=""
+. bench/calls.sh
 [ -n "${BASELINES-hft_ds2 hft_ds2_liger}" ] && \
   VARIANTS="" BASELINES=${BASELINES-hft_ds2 hft_ds2_liger} STEPS=${STEPS1:-45} EVERY=1 one baselines
 for r in ${RUNS:-old:1 new:1 new:10}; do
@@ -41,13 +32,5 @@ for r in ${RUNS:-old:1 new:1 new:10}; do
   [ "$every" != 1 ] && steps=${STEPS10:-160}
   VARIANTS=${VARIANT:-zero2c_lgl_dir} BASELINES="" SRC=$src STEPS=$steps EVERY=$every one "${tree}_e$every"
 done
-{
-  echo "1b full fine-tuning, seq 2048, micro-batch 4, bf16, 1 GPU; medians of the logged records after step $WARMUP"
-  echo "(a run tagged _e1 logs every step: ${STEPS1:-45} steps; _e10 every 10: ${STEPS10:-160} steps)"
-  echo
-  # shellcheck disable=SC2086
-  python3 bench/combine.py "$O" $TAGS --results "$O/results.jsonl"
-} > "$O/table.md"
-tar czf "$O/raw.tgz" -C "$O" --exclude=raw.tgz --exclude=table.md --exclude=results.jsonl . 2>/dev/null
-find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name raw.tgz ! -name results.jsonl -exec rm -rf {} +
-cat "$O/table.md"
+finish "1b full fine-tuning, seq 2048, micro-batch 4, bf16, 1 GPU; medians of the logged records after step $WARMUP" \
+  "(a run tagged _e1 logs every step: ${STEPS1:-45} steps; _e10 every 10: ${STEPS10:-160} steps)"
