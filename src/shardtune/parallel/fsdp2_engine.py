@@ -72,6 +72,7 @@ class FSDP2Backend:
         self.places: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         self.masters: dict[int, nn.Parameter] = {}  # id(compute parameter) -> its master
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (compute parameter, master), each once
+        self.step_params: list[nn.Parameter] = []  # set up by setup()
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -84,6 +85,8 @@ class FSDP2Backend:
             self._setup_direct(model, weights)
         else:
             self._setup_fsdp(model, blocks, weights)
+        # What the optimizer updates, and each step clips: the fp32 masters where the model computes with a copy.
+        self.step_params = [self.masters.get(id(p), p) for p in self.module.parameters()]
         named = ((n, self.masters.get(id(p), p)) for n, p in self.module.named_parameters())
         self.optimizer = make_optimizer(named, self.ctx.device,
                                         sharded_fp16=uses_sharded_scaler(self.parallel, self.precision))
@@ -234,17 +237,18 @@ class FSDP2Backend:
         return loss.detach()
 
     def step(self) -> torch.Tensor:
-        if self.direct and self.scaler is None and self.optimizer.defaults.get("fused"):
-            return self._step_in_fused_adamw()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        params = [self.masters.get(id(p), p) for p in self.module.parameters()]
+        params = self.step_params
         norm = total_grad_norm(params)
         # The norm is global, so every rank takes the same decision. fp16's scaler skips overflows itself (and
         # they are routine while it finds its scale); other precisions would write NaN into every weight. The
-        # flag is copied before the clip is queued and read after, so the clip's multiply keeps the GPU busy
-        # while the host waits for the norm and then queues the update (the clip of a skipped step is wasted).
-        flag = HostCopy(~torch.isfinite(norm))
+        # flag is copied before the clip (or the update) is queued and read after, so the GPU stays busy while
+        # the host waits for the norm and then queues the update (the clip of a skipped step is wasted).
+        bad = (~torch.isfinite(norm)).float()
+        flag = HostCopy(bad)
+        if self.direct and self.scaler is None and self.optimizer.defaults.get("fused"):
+            return self._update_in_fused_adamw(norm, bad, flag)
         if self.max_grad_norm > 0 and any(p.grad is not None for p in params):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         self.step_skipped = self.scaler is None and self.skip_nonfinite and flag.values()[0] > 0
@@ -260,7 +264,7 @@ class FSDP2Backend:
             self._masters_to_compute()
         return norm
 
-    def _step_in_fused_adamw(self) -> torch.Tensor:
+    def _update_in_fused_adamw(self, norm: torch.Tensor, bad: torch.Tensor, flag: HostCopy) -> torch.Tensor:
         """parallel.one_gpu: direct with fused AdamW: the clipping and the non-finite skip go into the optimizer's
         kernel, through the `grad_scale` / `found_inf` it takes from GradScaler (it divides every gradient by
         grad_scale, and leaves every weight and moment as they were when found_inf is 1). No multiply over the
@@ -269,9 +273,6 @@ class FSDP2Backend:
         skipped step's cast rewrites the copies with what they held). The same update as clipping first, to
         rounding. (Plain tensors only: a DTensor's shape-[1] flag fails the fused kernel, see
         train.optim.use_fused.)"""
-        norm = total_grad_norm([self.masters.get(id(p), p) for p in self.module.parameters()])  # as step()
-        bad = (~torch.isfinite(norm)).float()
-        flag = HostCopy(bad)  # queued before the update: reading it below does not wait for the update
         if self.max_grad_norm > 0:  # clip_grads_with_norm_'s factor, as a divisor
             self.optimizer.grad_scale = (norm + 1e-6).div(self.max_grad_norm).clamp(min=1.0)
         if self.skip_nonfinite:
