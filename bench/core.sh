@@ -32,7 +32,8 @@
 #   SRC        the shardtune source tree the runs import (default ./src); e.g. an earlier commit's, unpacked
 #              by bench/ab_1b.sh, to compare two versions in one call
 #   SKIP_INSTALL=1  do not pip-install .whl (automatic when there is no GPU or no .whl/*.whl)
-# Writes $OUT/{env.txt,logs.txt,results.jsonl,metrics.jsonl,table.md} (the device returns at most 8 files).
+# Writes $OUT/{env.txt,logs.txt,results.jsonl,metrics.jsonl,table.md} (the device returns at most 8 files), and
+# VARIANT_profile_rankR.txt / VARIANT_memory_rankR.txt where EXTRA asks for log.profile / log.memory_snapshot.
 set -u   # no -e: a failing run is recorded and the benchmark goes on
 
 cd "$(dirname "$0")/.." || exit 1
@@ -188,6 +189,11 @@ run_variant() {
       train.precision="$PREC" train.seq_len="$SEQ" train.micro_batch_size="$MBS" train.grad_accum=1 \
       train.max_steps="$STEPS" train.output_dir="$W/$v" \
       log.every="$EVERY" log.progress=false log.jsonl=true checkpoint.save_final=false "${extra[@]}"
+  local rc=$?
+  for f in "$W/$v"/profile/*.txt "$W/$v"/memory/*.txt; do  # log.profile / log.memory_snapshot summaries
+    [ -f "$f" ] && cp "$f" "$OUT/${v}_$(basename "$(dirname "$f")")_$(basename "$f")"
+  done
+  return $rc
 }
 
 run_baseline() {

@@ -44,14 +44,14 @@ def test_the_chunk_follows_ligers_formula(tokens, vocab, hidden, rows, expected)
     assert fused_loss_chunk(tokens, vocab, hidden, rows) == expected
 
 
-def test_the_chunk_key_is_1024_tokens_where_the_head_trains():
+def test_the_chunk_key_is_1024_tokens_for_every_method():
     from shardtune.plan.setting import setting_from_config
 
     assert load_config(TINY, []).model.liger_chunk == "auto"
-    assert chunk_tokens("auto", "none") == 1024 and chunk_tokens("auto", "lora") == 0
-    assert chunk_tokens(512, "qlora") == 512
+    assert chunk_tokens("auto") == 1024 and chunk_tokens(0) == 0
+    assert chunk_tokens(512) == 512
     assert setting_from_config(load_config(TINY, []), 1, 1).liger_chunk == 1024
-    assert setting_from_config(load_config(TINY, ["peft.method=lora"]), 1, 1).liger_chunk == 0
+    assert setting_from_config(load_config(TINY, ["peft.method=lora"]), 1, 1).liger_chunk == 1024
     with pytest.raises(ConfigError, match=r"model\.liger_chunk"):
         load_config(TINY, ["model.liger_chunk=-1"])
 

@@ -125,6 +125,6 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),
-        liger_chunk=chunk_tokens(cfg.model.liger_chunk, cfg.peft.method), world=world,
+        liger_chunk=chunk_tokens(cfg.model.liger_chunk), world=world,
         per_node=per_node,
         shard_size=p.shard_size if isinstance(p.shard_size, int) else None)

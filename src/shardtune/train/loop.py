@@ -273,7 +273,7 @@ def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: An
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
     fused = hasattr(backend, "fused_loss") and not adapted_head
     if fused:
-        install_fused_loss(built.base, liger_loss(chunk_tokens(cfg.model.liger_chunk, cfg.peft.method)))
+        install_fused_loss(built.base, liger_loss(chunk_tokens(cfg.model.liger_chunk)))
         backend.fused_loss = True
     parts = (["RMSNorm, RoPE, SwiGLU kernels"] if kernels else []) + (
         ["fused linear + cross-entropy loss"] if fused else
