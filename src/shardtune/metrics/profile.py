@@ -1,15 +1,18 @@
 """`log.profile: {start: S, steps: K}`: optimizer steps S..S+K-1 (1-based, as metrics.jsonl counts them) run
 under torch.profiler, and each rank writes a Chrome / Perfetto trace, OUTPUT_DIR/profile/rank{R}.json (open it
 in chrome://tracing or ui.perfetto.dev), and rank{R}.txt, the operators and kernels that took the most time
-(torch.profiler's own table: by CUDA time on GPUs, by CPU time elsewhere). CPU activity everywhere, CUDA kernels
-on GPUs."""
+(torch.profiler's own table: by CUDA time on GPUs, by CPU time elsewhere; on GPUs followed by the GPU's idle
+time and what ended its gaps: metrics/gpu_idle.py). CPU activity everywhere, CUDA kernels on GPUs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shardtune.metrics.gpu_idle import idle_report
 
 TOP = 30  # rows of the text table
 
@@ -61,6 +64,7 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.path))
         sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         steps = f"steps {self.first}-{self.last}"
+        idle = idle_report(json.loads(self.path.read_text())).text() if self.device.type == "cuda" else ""
         self.table_path.write_text(f"{steps}, by {sort_by}\n" +
-                                   prof.key_averages().table(sort_by=sort_by, row_limit=TOP) + "\n")
+                                   prof.key_averages().table(sort_by=sort_by, row_limit=TOP) + "\n" + idle)
         return self.path
