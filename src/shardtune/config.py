@@ -154,6 +154,16 @@ class ParallelConfig(_Section):
                             "its attention output and every other matmul output and recomputes the rest (torchtitan's "
                             "per-op selective checkpointing).")
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile's mode for each block (with parallel.compile): reduce-overhead adds "
+                               "CUDA graphs (fewer kernel launches from the host, more memory), max-autotune "
+                               "benchmarks Triton / cuBLAS choices while compiling (minutes) and adds CUDA graphs, "
+                               "max-autotune-no-cudagraphs without them.")
+    compile_options: dict[str, Any] | None = Field(
+        None, description="Inductor options for each block's torch.compile (its options=; the names "
+                          "torch._inductor.config has), e.g. {cpp_wrapper: true}: a C++ wrapper that "
+                          "launches the block's kernels with less host time per kernel, compiled once. Not with a "
+                          "compile_mode other than default (torch takes one or the other).")
     activation_offload: bool = Field(
         False, description="Keep what autograd saves in the decoder in host memory (pinned on GPUs), copied out in "
                            "forward and back in backward (as torch.autograd.graph.save_on_cpu, in power-of-two "
@@ -193,6 +203,34 @@ class ParallelConfig(_Section):
         if isinstance(v, int) and v < 1:
             raise ValueError("must be >= 1 or 'auto'")
         return v
+
+    @model_validator(mode="after")
+    def _compile_settings(self) -> ParallelConfig:
+        if (self.compile_mode != "default" or self.compile_options) and not self.compile:
+            raise ValueError("parallel.compile_mode / parallel.compile_options need parallel.compile=true")
+        if self.compile_options and self.compile_mode != "default":
+            raise ValueError("set parallel.compile_mode or parallel.compile_options, not both (torch.compile takes "
+                             "one or the other)")
+        if self.compile_options:
+            _check_inductor_options(self.compile_options)
+        return self
+
+
+def _check_inductor_options(options: dict[str, Any]) -> None:
+    """The names and value types torch.compile(options=...) accepts (its own check, made at config load instead
+    of at the first forward)."""
+    from torch._inductor import config as inductor
+
+    known = inductor.get_config_copy()
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"parallel.compile_options: {key!r} is not an Inductor option{_suggest(name, known)} "
+                             "(the names are torch._inductor.config's)")
+        current = known[name]
+        if isinstance(current, bool | int | float | str) and not isinstance(value, type(current)):
+            raise ValueError(f"parallel.compile_options: {key} takes a {type(current).__name__} (default "
+                             f"{current!r}), got {value!r}")
 
 
 class OptimConfig(_Section):

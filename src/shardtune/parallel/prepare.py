@@ -158,5 +158,12 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if parallel.compile:
         for block in blocks:
-            block.compile()
+            block.compile(**compile_kwargs(parallel))
     return offload
+
+
+def compile_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
+    """torch.compile's arguments for each block: parallel.compile_mode or parallel.compile_options (not both)."""
+    if parallel.compile_options:
+        return {"options": dict(parallel.compile_options)}
+    return {"mode": parallel.compile_mode} if parallel.compile_mode != "default" else {}
