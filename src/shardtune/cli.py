@@ -456,7 +456,9 @@ def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
         ("offload", offload),
         ("precision", f"{t.precision}, activation checkpointing {p.activation_checkpointing}"
                       + (", saved activations in host memory" if p.activation_offload else "")
-                      + (", compile" if p.compile else "")),
+                      + (", compile" if p.compile else "")
+                      + (f" ({p.compile_mode})" if p.compile and p.compile_mode != "default" else "")
+                      + (f" (Inductor options {p.compile_options})" if p.compile and p.compile_options else "")),
         ("processes", f"{world} per node"),
         ("batch", f"{global_batch} sequences x {t.seq_len} tokens per step ({t.micro_batch_size} per process x "
                   f"{t.grad_accum} accumulation x {world} processes)"),
