@@ -1,0 +1,43 @@
+#!/bin/bash
+# Issue 17, one device call: does less host time per kernel pay on 8B LoRA (table 2's settings: seq 2048,
+# micro-batch 2, checkpointing, compiled blocks, model.liger=loss, one H200)? Call 57's profile of that step
+# (bench/profile_2026-12-04_call57/) had the GPU idle 11% of it, mostly in launch gaps inside the compiled blocks.
+# Runs HF + PEFT + Liger once, then shardtune with each setting in VARIANTS (NAME=OVERRIDES, ';'-separated list;
+# default: the defaults, parallel.compile_options={cpp_wrapper: true}, parallel.compile_mode=max-autotune-no-cudagraphs).
+#
+#   run tool: kind nvidia-h200, carry [".whl", ".anchors"], timeout_s 600, command: bash bench/lora_compile.sh
+#
+# Knobs: VARIANTS, STEPS (42), WARMUP (10), BUDGET (seconds for all, 560), METHOD (lora; qlora works too).
+# CPU dry run (the plumbing only: model.liger=loss is refused on CPU, so each row ends rc 2):
+#   OUT=/tmp/lc SIZE=tiny STEPS=4 WARMUP=1 BASE= bash bench/lora_compile.sh
+# Writes $OUT/table.md (every run's row; ratios against the call's HF row) and $OUT/logs.tgz.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+O=${OUT:-/tmp/bench_out}
+mkdir -p "$O"
+START=$SECONDS BUDGET=${BUDGET:-560} M=${METHOD:-lora}
+VARIANTS=${VARIANTS:-"default=;cpp_wrapper='parallel.compile_options={cpp_wrapper: true}';autotune=parallel.compile_mode=max-autotune-no-cudagraphs"}
+export STEPS=${STEPS:-42} WARMUP=${WARMUP:-10} SIZE=${SIZE:-8b}
+run() {  # run TAG RUNS BASELINES EXTRA
+  local left=$((BUDGET - (SECONDS - START)))
+  [ "$left" -lt 90 ] && { echo "== $1 skipped: ${left}s left"; return; }
+  OUT=$O/$1 RUNS=$2 BASELINES=$3 EXTRA=$4 BUDGET=$left bash bench/table2.sh > "$O/$1.log" 2>&1
+  grep '^{' "$O/$1.log" | sed "s/^{/{\"tag\": \"$1\", /" >> "$O/rows.jsonl"
+}
+[ -n "${BASE-$M:1:lg}" ] && run hf "" "${BASE-$M:1:lg}" ""
+IFS=';' read -ra VS <<< "$VARIANTS"
+for v in "${VS[@]}"; do run "${v%%=*}" "$M:1:c:lgl" "" "${v#*=}"; done
+python3 - "$O/rows.jsonl" > "$O/table.md" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
+hf = next((r["tokens_per_s_per_gpu"] for r in rows if r.get("who") == "hf_peft" and r.get("rc") == 0), None)
+print("| run | rc | tokens/s (min-max) | vs HF + PEFT + Liger | peak alloc GiB | reserved GiB |\n|---|---|---|---|---|---|")
+for r in rows:
+    t = r.get("tokens_per_s_per_gpu") or 0
+    ratio = f"{t / hf:.2f}" if hf and t else "-"
+    print(f"| {r['tag']}: {r.get('who')} {r.get('method')} | {r.get('rc')} | {t:,.0f} ({r.get('tokens_per_s_per_gpu_min', 0):,.0f}-"
+          f"{r.get('tokens_per_s_per_gpu_max', 0):,.0f}) | {ratio} | {r.get('peak_alloc_gib', 0):.2f} | {r.get('peak_reserved_gib', 0):.2f} |")
+PY
+tar czf "$O/logs.tgz" -C "$O" --exclude=logs.tgz --exclude=table.md . 2>/dev/null
+find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name logs.tgz -exec rm -rf {} +
+cat "$O/table.md"
