@@ -3,7 +3,7 @@
 # micro-batch 2, checkpointing, compiled blocks, model.liger=loss, one H200)? Call 57's profile of that step
 # (bench/profile_2026-12-04_call57/) had the GPU idle 11% of it, mostly in launch gaps inside the compiled blocks.
 # Runs HF + PEFT + Liger once, then shardtune with each setting in VARIANTS (NAME=OVERRIDES, ';'-separated list;
-# default: the defaults, parallel.compile_options={cpp_wrapper: true}, parallel.compile_mode=max-autotune-no-cudagraphs).
+# default: the defaults, parallel.compile_options={cpp_wrapper: true}, parallel.compile_mode=reduce-overhead).
 #
 #   run tool: kind nvidia-h200, carry [".whl", ".anchors"], timeout_s 600, command: bash bench/lora_compile.sh
 #
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.." || exit 1
 O=${OUT:-/tmp/bench_out}
 mkdir -p "$O"
 START=$SECONDS BUDGET=${BUDGET:-560} M=${METHOD:-lora}
-VARIANTS=${VARIANTS:-"default=;cpp_wrapper='parallel.compile_options={cpp_wrapper: true}';autotune=parallel.compile_mode=max-autotune-no-cudagraphs"}
+VARIANTS=${VARIANTS:-"default=;cpp_wrapper='parallel.compile_options={cpp_wrapper: true}';reduce_overhead=parallel.compile_mode=reduce-overhead"}
 export STEPS=${STEPS:-42} WARMUP=${WARMUP:-10} SIZE=${SIZE:-8b}
 run() {  # run TAG RUNS BASELINES EXTRA
   local left=$((BUDGET - (SECONDS - START)))
