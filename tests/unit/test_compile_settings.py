@@ -38,6 +38,17 @@ def test_the_settings_become_torch_compile_arguments():
     assert kwargs("parallel.compile_options={cpp_wrapper: true}") == {"options": {"cpp_wrapper": True}}
 
 
+def test_cuda_graph_settings_are_recognised():
+    def graphs(*overrides):
+        return prepare.uses_cudagraphs(load_config(TINY, list(overrides)).parallel)
+
+    assert not graphs() and not graphs("parallel.compile=true")
+    assert graphs("parallel.compile=true", "parallel.compile_mode=reduce-overhead")
+    assert graphs("parallel.compile=true", "parallel.compile_mode=max-autotune")
+    assert not graphs("parallel.compile=true", "parallel.compile_mode=max-autotune-no-cudagraphs")
+    assert graphs("parallel.compile=true", "parallel.compile_options={triton.cudagraphs: true}")
+
+
 def test_the_options_reach_each_blocks_compile(tmp_path):
     """Inductor's trace option writes its debug folder when a block compiles: proof the options got there; the
     compiled blocks give eager's loss."""

@@ -47,6 +47,7 @@ from shardtune.models.build import load_hf_config, write_config
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
+from shardtune.parallel.prepare import uses_cudagraphs
 from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
@@ -107,6 +108,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     profiler: StepProfiler | None = None  # log.profile
+    cudagraphs: bool = False  # the compiled blocks replay CUDA graphs (parallel.compile_mode / compile_options)
     memory: MemorySnapshot | None = None  # log.memory_snapshot
     system: SystemSampler | None = None  # log.system, rank 0
 
@@ -249,6 +251,7 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
               state=RunState(step=sampler.position, skipped=skipped if resume else 0),
               flops_per_token=_flops_per_token(built, hf_config, t.seq_len),
               peak_flops=peak)
+    run.cudagraphs = uses_cudagraphs(cfg.parallel)
     if cfg.log.profile is not None:
         run.profiler = StepProfiler(cfg.log.profile.start, cfg.log.profile.steps, out, ctx.rank, ctx.device)
     if cfg.log.memory_snapshot is not None:
@@ -385,6 +388,8 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     lr = current_lr(backend.optimizer)
     step_loss = torch.zeros((), device=ctx.device)
     for k, batch in enumerate(micro):
+        if run.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
                                               sync_grads=k == len(micro) - 1)
     interval.checkpoint_s += run.ckpt.before_update()  # an async save's copy must finish before the update
@@ -786,11 +791,14 @@ def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext,
     lists = eval_batches(len(data.eval), t.micro_batch_size, ctx.world, ctx.rank)
     n = min(eval_num_batches(len(data.eval), t.micro_batch_size, ctx.world), eval_batch_cap(t, total_steps))
     backend.train(False)
+    cudagraphs = uses_cudagraphs(cfg.parallel)
     loss_sum, tokens, right, rows = 0.0, 0, 0, 0
     for i in range(n):
         # Same shape on every rank and step (no recompiles); a rank whose share ran out still joins
         # the forward pass with all-padding rows that carry no loss.
         batch = data.eval_batch(lists[i], t.micro_batch_size).to(ctx.device)
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         logits = backend.forward(batch)  # every rank runs the same number of forwards (FSDP collectives)
         loss_sum += float(token_loss_sum(logits, batch.labels))
         tokens += batch.num_target_tokens
