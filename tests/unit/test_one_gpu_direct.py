@@ -169,3 +169,42 @@ def test_checkpointed_runs_train_as_fsdp2_on_a_mesh_of_one(cli, tmp_path, method
             assert got[key].dtype == want[key].dtype == torch.float32, key
             assert (got[key] - want[key]).abs().max() <= 1e-6, key
         assert all(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B starts at zero: it trained
+
+
+def _nan_run(cli, out, mode: str, nan_steps: str, *extra: str):
+    from shardtune.train.loop import TEST_NAN_ENV
+
+    args = [*RUN, "log.every=8", f"parallel.one_gpu={mode}", *extra]  # no log or checkpoint in between: the
+    return cli("train", TINY, *args, "--output-dir", str(out), env={TEST_NAN_ENV: nan_steps})  # flag read late
+
+
+def test_a_skip_read_a_step_late_counts_as_at_once(cli, tmp_path):
+    """The direct path reads its fused update's skip flag once the next step's kernels are queued: a NaN step is
+    still skipped, named, counted and left out of the interval's loss, as FSDP2 (which reads it at once) does."""
+    got = {}
+    for mode in ("fsdp2", "direct"):
+        proc = _nan_run(cli, tmp_path / mode, mode, "2", "train.max_steps=6")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "step 2: non-finite loss or gradient norm; update skipped" in proc.stderr, mode
+        got[mode] = _records(tmp_path / mode)[6]
+    assert got["direct"]["skipped_steps"] == got["fsdp2"]["skipped_steps"] == 1
+    assert got["direct"]["loss"] == pytest.approx(got["fsdp2"]["loss"], rel=1e-6)  # steps 1, 3-6: finite
+
+
+def test_max_bad_steps_read_a_step_late_stop_at_the_same_step(cli, tmp_path):
+    """The 3rd NaN step in a row is found while step 5's kernels run: step 5 is dropped, and the run stops at
+    step 4 with a checkpoint of the weights step 1 left, as when the flag is read at once."""
+    from shardtune.checkpoint.export import checkpoint_tensors
+
+    proc = _nan_run(cli, tmp_path / "bad", "direct", "2,3,4", "train.max_steps=8", "train.max_bad_steps=3",
+                    "train.grad_accum=1")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "step 4: 3 steps in a row had a non-finite loss" in proc.stderr
+    ckpts = tmp_path / "bad" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-00000004"]
+    assert _records(tmp_path / "bad")[4]["skipped_steps"] == 3
+    one = _nan_run(cli, tmp_path / "one", "direct", "", "train.max_steps=1", "train.grad_accum=1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    want = {k: t.load() for k, t in checkpoint_tensors(tmp_path / "one" / "checkpoints" / "step-00000001").items()}
+    got = {k: t.load() for k, t in checkpoint_tensors(ckpts / "step-00000004").items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

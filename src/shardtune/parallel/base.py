@@ -60,6 +60,8 @@ class Backend(Protocol):
 
     # step_skipped (optional attribute): the last step() left the weights unchanged because its gradients were
     # not finite (fsdp2 with skip_nonfinite); the loop counts it. Backends without it never skip.
+    # skip_flag (optional attribute): when set after a step(), step_skipped is not known yet: the flag's first
+    # value (> 0: skipped) is, once read; the loop reads it after queueing the next step's kernels.
 
     @property
     def step_applied(self) -> bool: ...

@@ -58,6 +58,8 @@ class FSDP2Backend:
         self.loss, self.max_grad_norm = loss, max_grad_norm
         self.skip_nonfinite = True  # the loop sets train.skip_nonfinite
         self.step_skipped = False  # whether the last step() left the weights as they were (non-finite grads)
+        # ... or, when set, the flag that says so, still on its way from the GPU (the direct path's fused update)
+        self.skip_flag: HostCopy | None = None
         self.compute_dtype = DTYPES[precision]
         self.module: nn.Module = nn.Module()
         self.model: nn.Module = self.module
@@ -251,6 +253,7 @@ class FSDP2Backend:
             return self._update_in_fused_adamw(norm, bad, flag)
         if self.max_grad_norm > 0 and any(p.grad is not None for p in params):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        self.skip_flag = None
         self.step_skipped = self.scaler is None and self.skip_nonfinite and flag.values()[0] > 0
         if self.step_skipped:
             pass
@@ -268,11 +271,10 @@ class FSDP2Backend:
         """parallel.one_gpu: direct with fused AdamW: the clipping and the non-finite skip go into the optimizer's
         kernel, through the `grad_scale` / `found_inf` it takes from GradScaler (it divides every gradient by
         grad_scale, and leaves every weight and moment as they were when found_inf is 1). No multiply over the
-        gradients, and no wait before the update: the host reads the skip flag after the update and the cast
-        into the compute copies are queued, so the GPU runs them while the host prepares the next step (a
-        skipped step's cast rewrites the copies with what they held). The same update as clipping first, to
-        rounding. (Plain tensors only: a DTensor's shape-[1] flag fails the fused kernel, see
-        train.optim.use_fused.)"""
+        gradients, and no wait at all: the skip flag goes to pinned memory and the loop reads it once the next
+        step's kernels are queued (a skipped step's cast into the compute copies rewrites what they held). The
+        same update as clipping first, to rounding. (Plain tensors only: a DTensor's shape-[1] flag fails the
+        fused kernel, see train.optim.use_fused.)"""
         if self.max_grad_norm > 0:  # clip_grads_with_norm_'s factor, as a divisor
             self.optimizer.grad_scale = (norm + 1e-6).div(self.max_grad_norm).clamp(min=1.0)
         if self.skip_nonfinite:
@@ -284,7 +286,10 @@ class FSDP2Backend:
             self.optimizer.__dict__.pop("found_inf", None)
         self.optimizer.zero_grad(set_to_none=True)
         self._masters_to_compute()
-        self.step_skipped = self.skip_nonfinite and flag.values()[0] > 0
+        # Not read here: reading waits for the GPU to finish the backward. The loop reads it once the next
+        # step's kernels are queued (train/loop.py, _Pending).
+        self.step_skipped = False
+        self.skip_flag = flag if self.skip_nonfinite else None
         return norm
 
     @property

@@ -109,6 +109,7 @@ class Run:
     peak_flops: float | None
     profiler: StepProfiler | None = None  # log.profile
     cudagraphs: bool = False  # the compiled blocks replay CUDA graphs (parallel.compile_mode / compile_options)
+    pending: _Pending | None = None  # the last step, until the loop has read its outcome
     memory: MemorySnapshot | None = None  # log.memory_snapshot
     system: SystemSampler | None = None  # log.system, rank 0
 
@@ -150,6 +151,8 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
                 raise out_of_memory(run.cfg, run.ctx, err, f"in step {step + 1}", written) from None
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
+        if run.pending is not None:  # read at the last step already (its log is due); kept for safety
+            _settle(run, interval)
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
                 interval.eval_s += _timed(run_eval, run.state.step, device=run.ctx.device)
@@ -368,6 +371,25 @@ def _print_start(run: Run) -> None:
         log.print(f"resumed from {run.resume} at step {run.state.step}")
 
 
+@dataclass
+class _Pending:
+    """A step whose outcome the loop has not read yet. The direct path's fused update decides a non-finite skip
+    on the GPU and leaves its flag in pinned memory (backend.skip_flag); reading it at once would make the host
+    wait at every step's end for the GPU to finish the backward, and the next step's kernels would start only as
+    fast as the host launches them (8B LoRA on one H200 left the GPU idle ~11% of a step, bench/RESULTS.md,
+    nineteenth session). So the loop reads it once the next step's forward and backward are queued, or at once
+    where a log, checkpoint, evaluation or stop needs it."""
+
+    step: int
+    step_loss: torch.Tensor
+    tokens: int
+    flag: HostCopy | None  # None: `skipped` is already known
+    skipped: bool
+    loss_read: HostCopy | None  # rank 0's loss for the spike warning
+    lr: float
+    grad_norm: torch.Tensor
+
+
 def _train_step(run: Run, step: int, interval: _Interval) -> None:
     """One optimizer step (all its micro-batches), then the checkpoint and the log record it is due."""
     backend, ctx, state = run.backend, run.ctx, run.state
@@ -392,20 +414,45 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
             torch.compiler.cudagraph_mark_step_begin()
         step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
                                               sync_grads=k == len(micro) - 1)
-    interval.checkpoint_s += run.ckpt.before_update()  # an async save's copy must finish before the update
     _TEST_NAN[0] = 1.0
+    before = run.pending
+    if before is not None and _settle(run, interval):
+        # The step before was the max_bad_steps-th non-finite one in a row: the run stops there, as if this step
+        # had not begun (its gradients dropped; the sampler and the LR schedule stay at the step before).
+        backend.optimizer.zero_grad(set_to_none=True)
+        _end_step(run, interval, counter, before.lr, before.grad_norm, stop_bad=True)
+        return
+    interval.checkpoint_s += run.ckpt.before_update()  # an async save's copy must finish before the update
     # rank 0's loss for the spike warning, copied before the update is queued: reading it after does not wait
     # for the update (a plain read would, and the GPU would idle while the host prepares the next step)
     loss_read = HostCopy(step_loss) if run.cfg.train.loss_spike_factor and ctx.is_main else None
     grad_norm = backend.step()
     if backend.step_applied:
         run.schedule.step()  # also after a skipped update: the LR is a function of the step number
-    skipped = bool(getattr(backend, "step_skipped", False))
-    interval.add(step_loss, sum(b.num_tokens for b in micro), skipped)
+    run.pending = _Pending(step + 1, step_loss, sum(b.num_tokens for b in micro), getattr(backend, "skip_flag", None),
+                           bool(getattr(backend, "step_skipped", False)), loss_read, lr, grad_norm)
     state.step = run.sampler.position = step + 1
-    stop_bad = _count_bad_step(run, skipped)
-    if not skipped and loss_read is not None:
-        _watch_spikes(run, loss_read.values()[0])
+    _end_step(run, interval, counter, lr, grad_norm)
+
+
+def _settle(run: Run, interval: _Interval) -> bool:
+    """Read the pending step's outcome into the interval and the run's counts; True when it was the
+    max_bad_steps-th non-finite step in a row (the run stops there, with a checkpoint)."""
+    p, run.pending = run.pending, None
+    assert p is not None
+    skipped = p.skipped if p.flag is None else p.flag.values()[0] > 0
+    interval.add(p.step_loss, p.tokens, skipped)
+    stop_bad = _count_bad_step(run, skipped, p.step)
+    if not skipped and p.loss_read is not None:
+        _watch_spikes(run, p.loss_read.values()[0], p.step)
+    return stop_bad
+
+
+def _end_step(run: Run, interval: _Interval, counter: Any, lr: float, grad_norm: torch.Tensor, *,
+              stop_bad: bool = False) -> None:
+    """After step state.step's update is queued: the stop / save requests, and the checkpoint and log record
+    it is due (each reads the pending outcome first)."""
+    ctx, state = run.ctx, run.state
     request = signals.agree(ctx.device)  # every rank stops (or saves) after the same step
     if counter is not None:
         step_comm = counter.take()
@@ -414,15 +461,21 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         state.comm_steps += 1
     if request.stop:
         state.stopped_by, run.stop = request.stop, state.step
+    due = run.ckpt.due(state.step, last=state.step == run.stop)
+    log_due = state.step % run.cfg.log.every == 0 or state.step == run.stop
+    eval_due = bool(run.cfg.train.eval_every) and state.step % run.cfg.train.eval_every == 0
+    if run.pending is not None and (run.pending.flag is None or request.stop or request.save or due or log_due
+                                    or eval_due):
+        stop_bad = _settle(run, interval) or stop_bad
     asked = (request.stop or request.save) and state.step != run.ckpt.last_saved_step
-    if asked or stop_bad or run.ckpt.due(state.step, last=state.step == run.stop):
+    if asked or stop_bad or due:
         check_finite_weights(run, "checkpoint")
-        interval.checkpoint_s += run.ckpt.save(state.step, backend, trainer_state(run))
+        interval.checkpoint_s += run.ckpt.save(state.step, run.backend, trainer_state(run))
         if asked and not request.stop:
             run.logger.print(f"saved a checkpoint at step {state.step} (SIGUSR1)")
-    if state.step % run.cfg.log.every == 0 or state.step == run.stop or stop_bad:
+    if log_due or stop_bad:
         record = interval.flush(state.step, lr, grad_norm, run.flops_per_token, run.peak_flops, ctx)
-        record["epoch"] = step // run.sampler.steps_per_epoch
+        record["epoch"] = (state.step - 1) // run.sampler.steps_per_epoch
         record["skipped_steps"] = state.skipped
         record.update(run.ckpt.pop_timings())
         state.history.append(record)
@@ -438,7 +491,7 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         interval.trace_s += time.perf_counter() - started
 
 
-def _count_bad_step(run: Run, skipped: bool) -> bool:
+def _count_bad_step(run: Run, skipped: bool, step: int) -> bool:
     """Count a skipped step and say so; True when max_bad_steps in a row are reached (stop, with a checkpoint)."""
     state = run.state
     if not skipped:
@@ -447,19 +500,19 @@ def _count_bad_step(run: Run, skipped: bool) -> bool:
     state.skipped += 1
     state.bad_in_row += 1
     limit = run.cfg.train.max_bad_steps
-    log_rank0(run.ctx.rank, f"step {state.step}: non-finite loss or gradient norm; update skipped (gradients zeroed; "
+    log_rank0(run.ctx.rank, f"step {step}: non-finite loss or gradient norm; update skipped (gradients zeroed; "
                             f"{state.bad_in_row} in a row, the run stops at {limit})")
     return state.bad_in_row >= limit
 
 
-def _watch_spikes(run: Run, loss: float) -> None:
+def _watch_spikes(run: Run, loss: float, step: int) -> None:
     """Warn once per spike: rank 0's step loss above loss_spike_factor x the median of its last 50."""
     factor, state = run.cfg.train.loss_spike_factor, run.state
     if len(state.recent) >= 10:
         median = statistics.median(state.recent)
         spike = loss > factor * median
         if spike and not state.in_spike:
-            log_rank0(run.ctx.rank, f"warning: step {state.step}: loss spike, {loss:.4g} is over {factor:g}x the "
+            log_rank0(run.ctx.rank, f"warning: step {step}: loss spike, {loss:.4g} is over {factor:g}x the "
                                     f"median of the last {len(state.recent)} steps ({median:.4g})")
         state.in_spike = spike
     state.recent.append(loss)
