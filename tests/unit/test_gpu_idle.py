@@ -30,6 +30,8 @@ def _trace() -> dict:
         _x("kernel", "adamw", 170, 130, corr=2),                   # idle 100-170: the optimizer launched late
         _x("cuda_runtime", "cudaLaunchKernel", 200, 2, corr=3),
         _x("kernel", "copy", 350, 50, corr=3),                     # idle 300-350: queued before the GPU idled
+        _x("cpu_op", "aten::item", 395, 110),
+        _x("cpu_op", "aten::_local_scalar_dense", 398, 104),
         _x("cuda_runtime", "cudaStreamSynchronize", 400, 100),
         _x("cpu_op", "aten::add", 515, 20, tid=2),                 # another thread's operator is not the launcher
         _x("cuda_runtime", "cudaLaunchKernel", 520, 2, corr=4),
@@ -43,7 +45,7 @@ def test_gaps_are_summed_and_labelled_by_what_ended_them() -> None:
     got = {label: (int(v[0]), v[1]) for label, v in r.by_label.items()}
     assert got == {"aten::mm": (1, 20.0), "Optimizer.step > aten::_fused_adamw_": (1, 70.0),
                    "queued (waited on another stream or event)": (1, 50.0),
-                   "after cudaStreamSynchronize": (1, 130.0)}
+                   "after cudaStreamSynchronize in aten::item > aten::_local_scalar_dense": (1, 130.0)}
     text = r.text()
     assert text.startswith("GPU idle: 0.27 ms a step of 1.00 (27.0%) over 1 step(s)")
     assert text.index("after cudaStreamSynchronize") < text.index("Optimizer.step") < text.index("aten::mm")

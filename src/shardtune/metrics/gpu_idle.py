@@ -98,10 +98,11 @@ def idle_report(trace: dict[str, Any]) -> IdleReport:
     lo, hi, report.steps = _step_window(events, gpu)
     report.window_us = hi - lo
     launches = {e.get("args", {}).get("correlation"): e for e in _x_events(events, LAUNCH_CATS)}
-    syncs = sorted((float(e["ts"]) + float(e.get("dur", 0)), str(e["name"])) for e in _x_events(events, LAUNCH_CATS)
-                   if any(w in str(e["name"]) + " " for w in SYNC_WORDS))
+    syncs = sorted(((float(e["ts"]) + float(e.get("dur", 0)), e) for e in _x_events(events, LAUNCH_CATS)
+                    if any(w in str(e["name"]) + " " for w in SYNC_WORDS)), key=lambda s: s[0])
     sync_ends = [s[0] for s in syncs]
-    late: dict[Any, list[tuple[float, float]]] = defaultdict(list)  # thread -> (launch time, gap) to label
+    # thread -> (host time, gap, label prefix): gaps labelled by the operators around that time on that thread
+    late: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
     end = lo
     for k in gpu:
         ts, te = float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))
@@ -110,9 +111,9 @@ def idle_report(trace: dict[str, Any]) -> IdleReport:
         ts, te = max(ts, lo), min(te, hi)
         gap = ts - end
         if gap >= MIN_GAP_US:
-            label, launch = _gap_label(k, end, launches, syncs, sync_ends)
-            if label is None:
-                late[(launch.get("pid"), launch.get("tid"))].append((float(launch["ts"]), gap))
+            label, host = _gap_label(k, end, launches, syncs, sync_ends)
+            if label is None or label.startswith("after "):
+                late[(host.get("pid"), host.get("tid"))].append((float(host["ts"]), gap, label or ""))
             else:
                 report.add(label, gap)
         report.busy_us += max(0.0, te - max(ts, end))
@@ -123,15 +124,16 @@ def idle_report(trace: dict[str, Any]) -> IdleReport:
     for key, queries in late.items():
         queries.sort()
         stacks = _stacks_at(ops_by_thread.get(key, []), [q[0] for q in queries])
-        for (_, gap), stack in zip(queries, stacks, strict=True):
-            report.add(_label(stack), gap)
+        for (_, gap, prefix), stack in zip(queries, stacks, strict=True):
+            report.add(prefix + _label(stack), gap)
     return report
 
 
 def _gap_label(kernel: dict[str, Any], idle_from: float, launches: dict[Any, dict[str, Any]],
-               syncs: list[tuple[float, str]], sync_ends: list[float]) -> tuple[str | None, dict[str, Any]]:
-    """(label, launch) of the gap a kernel ends; label None when the host launched it late (labelled later by
-    the operators around the launch)."""
+               syncs: list[tuple[float, dict[str, Any]]], sync_ends: list[float]) -> tuple[str | None, dict[str, Any]]:
+    """(label, host event) of the gap a kernel ends: label None when the host launched it late, "after SYNC in "
+    when a sync drained the queue first; both completed later with the operators around the host event (the
+    launch, or the sync call)."""
     launch = launches.get(kernel.get("args", {}).get("correlation"))
     if launch is None:
         return "kernel with no launch record", {}
@@ -140,5 +142,5 @@ def _gap_label(kernel: dict[str, Any], idle_from: float, launches: dict[Any, dic
         return "queued (waited on another stream or event)", launch
     i = bisect.bisect_right(sync_ends, t) - 1
     if i >= 0 and sync_ends[i] >= idle_from:
-        return f"after {syncs[i][1]}", launch
+        return f"after {syncs[i][1]['name']} in ", syncs[i][1]
     return None, launch
