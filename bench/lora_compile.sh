@@ -7,7 +7,9 @@
 #
 #   run tool: kind nvidia-h200, carry [".whl", ".anchors"], timeout_s 600, command: bash bench/lora_compile.sh
 #
-# Knobs: VARIANTS, STEPS (42), WARMUP (10), BUDGET (seconds for all, 560), METHOD (lora; qlora works too).
+# Knobs: VARIANTS, STEPS (42), WARMUP (10), BUDGET (seconds for all, 560), METHOD (lora; qlora works too). A
+# variant named old* imports .ab_src/src (host first: rm -rf .ab_src && mkdir .ab_src && git archive COMMIT src |
+# tar -x -C .ab_src; carry ".ab_src" too), e.g. VARIANTS="old=;new=" for this tree against an earlier commit.
 # CPU dry run (the plumbing only: model.liger=loss is refused on CPU, so each row ends rc 2):
 #   OUT=/tmp/lc SIZE=tiny STEPS=4 WARMUP=1 BASE= bash bench/lora_compile.sh
 # Writes $OUT/table.md (every run's row; ratios against the call's HF row) and $OUT/logs.tgz.
@@ -26,7 +28,11 @@ run() {  # run TAG RUNS BASELINES EXTRA
 }
 [ -n "${BASE-$M:1:lg}" ] && run hf "" "${BASE-$M:1:lg}" ""
 IFS=';' read -ra VS <<< "$VARIANTS"
-for v in "${VS[@]}"; do run "${v%%=*}" "$M:1:c:lgl" "" "${v#*=}"; done
+for v in "${VS[@]}"; do
+  name=${v%%=*} src=$PWD/src
+  case $name in old*) src=$PWD/.ab_src/src;; esac  # an earlier commit's tree (host: git archive COMMIT src)
+  SRC=$src run "$name" "$M:1:c:lgl" "" "${v#*=}"
+done
 python3 - "$O/rows.jsonl" > "$O/table.md" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []

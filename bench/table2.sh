@@ -7,7 +7,7 @@
 #   run tool: kind nvidia-h200, carry [".whl"], timeout_s 600, command: bash bench/table2.sh
 #
 # Knobs: RUNS and BASELINES (bench/peft_bench.py specs METHOD:NPROC[:c][:lg|:lgl][:sel][:sf][:dir][:ch]), STEPS (40), WARMUP (10),
-# BUDGET (seconds for the whole script, 560), MBS (2), SIZE (8b), EXTRA (overrides for every shardtune run, e.g.
+# BUDGET (seconds for the whole script, 560), MBS (2), SIZE (8b), SRC (the src tree to import, default ./src), EXTRA (overrides for every shardtune run, e.g.
 # EXTRA='log.memory_snapshot=[3,3]': each run's memory/rank0.txt is copied to $OUT/memory/, and profile/*.txt
 # to $OUT/profile/).
 # Writes $OUT/peft_results.jsonl, $OUT/peft_table.md and $OUT/peft_logs.txt (every run's log, long ones cut).
@@ -20,7 +20,9 @@ if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1 && nvidia-smi -L >/dev/nu
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || echo "!! pip install of .whl failed"
 fi
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD/src || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+S=${SRC:-$PWD/src}  # the shardtune tree the runs import (an earlier commit's, unpacked into .ab_src: bench/ab_1b.sh)
+echo "== shardtune from $S"
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$S || export PYTHONPATH=$S${PYTHONPATH:+:$PYTHONPATH}
 RUNS=${RUNS-lora:1,lora:1:lg} BASELINES=${BASELINES-lora:1:lg,lora:1}
 W=/tmp/shardtune_peft
 rm -rf "$W"

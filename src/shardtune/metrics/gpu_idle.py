@@ -6,7 +6,8 @@ correlation id) came either after the GPU had gone idle (the host was late: the 
 launched it, outermost > innermost, on the launching thread) or before (the kernel was queued and waited on
 something else: another stream's event, a copy; labelled "queued"). A late launch right after a host-device
 synchronisation is labelled "after SYNC_CALL in OPERATORS" (the operators that made the call, e.g. a .item()):
-the sync drained the queue, so the kernels after it start as fast as the host launches them. A step that is GPU-bound idles well under 2% of its time."""
+the sync drained the queue, so the kernels after it start as fast as the host launches them. A step that is
+GPU-bound idles well under 2% of its time."""
 
 from __future__ import annotations
 
