@@ -151,11 +151,11 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
                 raise out_of_memory(run.cfg, run.ctx, err, f"in step {step + 1}", written) from None
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
-        if run.pending is not None:  # read at the last step already (its log is due); kept for safety
-            _settle(run, interval)
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
                 interval.eval_s += _timed(run_eval, run.state.step, device=run.ctx.device)
+        if run.pending is not None:  # read at the last step already (its log is due); kept for safety
+            _settle(run, interval)
         run.ckpt.close()
     if run.profiler is not None:
         run.profiler.close()  # a run that stopped inside the profiled steps still writes its trace
