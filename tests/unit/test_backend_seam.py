@@ -50,3 +50,28 @@ def test_backend_uses_the_loss_and_optimizer_it_is_given(ctx, strategy):
             assert backend.step_applied
             schedule.step()
     assert losses[0] * 3 == pytest.approx(losses[3])  # the same weights, the loss it was handed
+
+
+def test_the_direct_fused_update_leaves_its_skip_flag_for_the_loop_to_read(ctx):
+    """parallel.one_gpu: direct with fused AdamW decides a non-finite skip in the kernel and does not read the
+    flag itself (a read waits for the GPU to finish the backward): step_skipped stays False, skip_flag says it,
+    and a skipped step leaves the weights as they were."""
+    cfg = config_from_dict({"model": {"preset": "tiny-llama"}, "data": {"train_file": "x"}},
+                           ["parallel.strategy=zero2", "train.precision=bf16", "parallel.one_gpu=direct"])
+    hf = preset_config("tiny-llama")
+    built = assemble(ModelConfig(preset="tiny-llama"), PeftConfig(), "bf16", hf, ctx.device, 1)
+    scale = [1.0]
+    backend = make_backend(cfg, ctx, lambda logits, labels: scale[0] * token_loss_sum(logits, labels))
+    backend.setup(built.model, built.blocks, built.source, OptimizerFactory(OptimConfig(), 1e-3))
+    assert backend.direct and backend.optimizer.defaults.get("fused")
+    flags = []
+    for s in (1.0, float("nan")):
+        scale[0] = s
+        before = {n: p.detach().clone() for n, p in backend.module.named_parameters()}
+        backend.forward_backward(_batch(), torch.tensor(20.0))
+        backend.step()
+        assert backend.step_skipped is False and backend.skip_flag is not None
+        flags.append(backend.skip_flag.values()[0])
+        changed = any(not torch.equal(p, before[n]) for n, p in backend.module.named_parameters())
+        assert changed == (s == 1.0)
+    assert flags == [0.0, 1.0]
