@@ -9,7 +9,8 @@
 #
 # Knobs: VARIANTS, STEPS (42), WARMUP (10), BUDGET (seconds for all, 560), METHOD (lora; qlora works too). A
 # variant named old* imports .ab_src/src (host first: rm -rf .ab_src && mkdir .ab_src && git archive COMMIT src |
-# tar -x -C .ab_src; carry ".ab_src" too), e.g. VARIANTS="old=;new=" for this tree against an earlier commit.
+# tar -x -C .ab_src; carry ".ab_src" too), e.g. VARIANTS="old=;new=" for this tree against an earlier commit; a
+# variant NAME with a tree in .ab_src/NAME/src (git archive COMMIT src | tar -x -C .ab_src/NAME) imports that one.
 # CPU dry run (the plumbing only: model.liger=loss is refused on CPU, so each row ends rc 2):
 #   OUT=/tmp/lc SIZE=tiny STEPS=4 WARMUP=1 BASE= bash bench/lora_compile.sh
 # Writes $OUT/table.md (every run's row; ratios against the call's HF row) and $OUT/logs.tgz.
@@ -31,6 +32,7 @@ IFS=';' read -ra VS <<< "$VARIANTS"
 for v in "${VS[@]}"; do
   name=${v%%=*} src=$PWD/src
   case $name in old*) src=$PWD/.ab_src/src;; esac  # an earlier commit's tree (host: git archive COMMIT src)
+  [ -d "$PWD/.ab_src/$name/src" ] && src=$PWD/.ab_src/$name/src  # or one unpacked under the variant's name
   SRC=$src run "$name" "$M:1:c:lgl" "" "${v#*=}"
 done
 python3 - "$O/rows.jsonl" > "$O/table.md" <<'PY'

@@ -218,3 +218,55 @@ def test_the_fused_forward_shifts_labels_and_ignores_the_masked_ones():
     install_fused_loss(model, reference_fused_loss)
     got = model(input_ids=batch.input_ids, labels=batch.labels).loss
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+
+
+def test_the_backward_helper_without_the_sync_scales_in_place():
+    from shardtune.models.liger import backward_without_sync
+
+    g_in, g_w, g_b = torch.randn(8, 4), torch.randn(16, 4, dtype=torch.float64), torch.randn(16)
+    want = (g_in * 0.25, g_w * 0.25, g_b * 0.25)
+    got = backward_without_sync(torch.tensor(0.25), g_in, g_w, g_b)
+    assert got[0] is g_in and got[1] is g_w and got[2] is g_b  # in place, as Liger's own
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    one = torch.randn(8, 4)
+    assert torch.equal(backward_without_sync(torch.tensor(1.0), one.clone(), None, None)[0], one)  # x * 1.0 = x
+
+
+HELPER = '''import torch
+
+
+def fused_linear_cross_entropy_backward({args}):
+    if not torch.equal(grad_output, torch.tensor(1.0)):
+        pass
+    return grad_input, grad_weight, grad_bias
+'''
+
+
+@pytest.mark.parametrize("args, swapped", [("grad_output, grad_input, grad_weight, grad_bias", True),
+                                           ("grad_output, grad_input, grad_weight, grad_bias, extra", False)])
+def test_the_sync_free_helper_replaces_only_the_one_it_was_written_for(tmp_path, monkeypatch, args, swapped):
+    """The swap goes where Liger's autograd function looks its helper up (a module global), only when the helper
+    there takes the same arguments and still has the test (a Liger that changed it keeps its own)."""
+    import sys
+
+    from shardtune.models.liger import _skip_backward_sync, backward_without_sync
+
+    ops = tmp_path / "liger_kernel" / "ops"
+    ops.mkdir(parents=True)
+    (tmp_path / "liger_kernel" / "__init__.py").write_text("")
+    (ops / "__init__.py").write_text("")
+    (ops / "fused_linear_cross_entropy.py").write_text(HELPER.format(args=args))
+    def ligers() -> list[str]:
+        return [m for m in sys.modules if m == "liger_kernel" or m.startswith("liger_kernel.")]
+
+    for name in ligers():
+        monkeypatch.delitem(sys.modules, name)  # a real Liger (GPU machine) comes back after the test
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+        assert _skip_backward_sync() is swapped
+        assert (flce.fused_linear_cross_entropy_backward is backward_without_sync) is swapped
+    finally:
+        for name in ligers():  # the stand-in must not look installed to later tests
+            del sys.modules[name]
