@@ -48,38 +48,6 @@ def apply_liger_kernels(causal_lm: nn.Module) -> None:
                                     fused_linear_cross_entropy=False)
 
 
-def backward_without_sync(grad_output: torch.Tensor, grad_input: torch.Tensor, grad_weight: torch.Tensor | None,
-                          grad_bias: torch.Tensor | None) -> tuple[Any, Any, Any]:
-    """Liger's `fused_linear_cross_entropy_backward` (it scales the gradients its forward made by the loss's
-    incoming gradient, in place) without its `torch.equal(grad_output, 1.0)` test: that test reads a GPU value,
-    so the host waits there for the GPU at the start of every micro-batch's backward, and then launches the whole
-    backward with the GPU's queue empty (bench/RESULTS.md, nineteenth session). The multiply always runs instead,
-    on the GPU; x * 1.0 is x exactly, and shardtune's loss is scaled by the token count, so Liger multiplies
-    anyway. Upstream removes the test in linkedin/Liger-Kernel PR #1292."""
-    for grad in (grad_input, grad_weight, grad_bias):
-        if grad is not None:
-            grad.mul_(grad_output)
-    return grad_input, grad_weight, grad_bias
-
-
-def _skip_backward_sync() -> bool:
-    """Put backward_without_sync where Liger's fused-loss autograd function calls its backward helper (a module
-    global of liger_kernel.ops.fused_linear_cross_entropy), when that helper is the one it replaces (same
-    arguments, and it still holds the test); True when in place."""
-    import inspect
-
-    from liger_kernel.ops import fused_linear_cross_entropy as flce
-
-    current = getattr(flce, "fused_linear_cross_entropy_backward", None)
-    if current is backward_without_sync:
-        return True
-    if current is None or list(inspect.signature(current).parameters) != [
-            "grad_output", "grad_input", "grad_weight", "grad_bias"] or "torch.equal" not in inspect.getsource(current):
-        return False
-    flce.fused_linear_cross_entropy_backward = backward_without_sync
-    return True
-
-
 def liger_loss(chunk: int = 0) -> Any:
     """Liger's fused linear + cross-entropy, summing token losses (accumulated in fp32) as train/loss.py does,
     its logits made `chunk` tokens at a time (`model.liger_chunk`, through Liger's chunk_mem_const; 0 or a Liger
@@ -91,7 +59,6 @@ def liger_loss(chunk: int = 0) -> Any:
     from shardtune.models.liger_rules import fused_loss_chunk
 
     sized = chunk > 0 and "chunk_mem_const" in inspect.signature(liger_fused_linear_cross_entropy).parameters
-    _skip_backward_sync()
 
     def loss(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         extra = {}
