@@ -75,6 +75,7 @@ class FSDP2Backend:
         self.masters: dict[int, nn.Parameter] = {}  # id(compute parameter) -> its master
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (compute parameter, master), each once
         self.step_params: list[nn.Parameter] = []  # set up by setup()
+        self.update_in_kernel = False  # set up by setup()
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -94,6 +95,9 @@ class FSDP2Backend:
                                         sharded_fp16=uses_sharded_scaler(self.parallel, self.precision))
         if self.precision == "fp16":
             self.scaler = self._grad_scaler()
+        # The direct path's fused AdamW takes the clip and the non-finite skip into its kernel (decided once here,
+        # not every step).
+        self.update_in_kernel = self.direct and self.scaler is None and bool(self.optimizer.defaults.get("fused"))
 
     def _setup_ddp(self, model: nn.Module, weights: WeightSource | None) -> None:
         load_weights(model, weights, self.ctx.device)
@@ -249,7 +253,7 @@ class FSDP2Backend:
         # the host waits for the norm and then queues the update (the clip of a skipped step is wasted).
         bad = (~torch.isfinite(norm)).float()
         flag = HostCopy(bad)
-        if self.direct and self.scaler is None and self.optimizer.defaults.get("fused"):
+        if self.update_in_kernel:
             return self._update_in_fused_adamw(norm, bad, flag)
         if self.max_grad_norm > 0 and any(p.grad is not None for p in params):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
