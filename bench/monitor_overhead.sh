@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 18: what the run's monitors cost. One shardtune variant (default zero2c_lgl, 1B shape, 1 GPU) run
-# alternately with log.system=false and log.system=true (NVML sampling thread; comm accounting is always on), so
+# alternately with all monitors off and on (log.system: the NVML sampling thread; log.comm: the collective counter), so
 # drift of the machine falls on both sides; each run is the median of its timed steps (bench/core.sh).
 #
 #   run tool: kind nvidia-h200, carry [".whl", ".anchors"], command: bash bench/monitor_overhead.sh
@@ -19,7 +19,7 @@ for i in $(seq 1 "${PAIRS:-2}"); do
     [ "$left" -gt 60 ] || { echo "budget spent"; break 2; }
     o="$OUT/monitor_${sys}_$i"
     OUT=$o VARIANTS=$V BASELINES= REF=none SECOND_REF= BUDGET=$left SPREAD=1 SIZE=${SIZE:-1b} STEPS=${STEPS:-45} \
-      WARMUP=${WARMUP:-10} EVERY=1 EXTRA="log.system=$sys" bash bench/core.sh > "$o.log" 2>&1
+      WARMUP=${WARMUP:-10} EVERY=1 EXTRA="log.system=$sys log.comm=$sys" bash bench/core.sh > "$o.log" 2>&1
     row=$(grep "^| $V " "$o/table.md" 2>/dev/null | head -1)
     echo "log.system=$sys run $i: $row"
     rows+=("| $sys | $i ${row#| $V }")

@@ -205,12 +205,19 @@ def plot_comm(runs: list[RunData], path: Path) -> bool:
         ax.bar(base, [measured.get(k, 0) / MIB for k in kinds], width, color=f"C{i}", label=f"{run.name} measured")
         ax.bar([b + width for b in base], [predicted.get(k, 0) / MIB for k in kinds], width, color=f"C{i}",
                alpha=0.4, hatch="//", label=f"{run.name} planner")
-    ax.set_xticks(range(len(kinds)), [k.replace("_", "-") for k in kinds])
+    ax.set_xticks(range(len(kinds)), [_comm_tick(k, rows) for k in kinds])
     ax.set(title="Communication per optimizer step, each rank (ring bus bytes)", xlabel="collective",
            ylabel="MiB per step per rank")
     ax.grid(alpha=0.3, axis="y")
     _legend(ax)
     return _save(fig, path)
+
+
+def _comm_tick(kind: str, rows: list[tuple[RunData, dict]]) -> str:
+    """The collective's name, with each run's achieved bus bandwidth in its profiled steps (log.profile, GPUs)."""
+    rates = [f"{r['bus_bytes_per_s'] / 1e9:.0f} GB/s" for _, c in rows
+             if "bus_bytes_per_s" in (r := (c.get("profiled") or {}).get(kind, {}))]
+    return kind.replace("_", "-") + ("\n" + ", ".join(rates) if rates else "")
 
 
 def plot_checkpoints(runs: list[RunData], path: Path) -> bool:

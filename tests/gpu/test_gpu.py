@@ -24,6 +24,26 @@ def test_bf16_training_on_all_gpus(tmp_path, strategy):
     assert steps[-1]["mfu"] is not None and steps[-1]["peak_mem_gib"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_profiled_steps_give_the_collectives_achieved_bus_bandwidth(tmp_path):
+    """log.profile on 2 GPUs (zero3): the NCCL kernels of the profiled steps and the comm counter's bytes give each
+    collective's bus bandwidth, in summary.json, metrics.jsonl and the profile's table."""
+    out = tmp_path / "run"
+    proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "2", "--output-dir", str(out),
+                     "parallel.strategy=zero3", "train.precision=bf16", "train.max_steps=12", "log.every=2",
+                     "log.profile={start: 5, steps: 2}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    profiled = json.loads((out / "summary.json").read_text())["comm"]["profiled"]
+    for kind in ("all_gather", "reduce_scatter"):
+        row = profiled[kind]
+        assert row["kernels_per_step"] >= 1 and row["kernel_ms_per_step"] > 0
+        assert 1e6 < row["bus_bytes_per_s"] < 2e12  # between 1 MB/s and past NVLink's peak: a rate, not garbage
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+    logged = [r for r in records if "comm_all_gather_bus_gbps" in r]
+    assert len(logged) == 1 and logged[0]["step"] == 8  # the first record after the profiled steps 5-6, once
+    assert "bus GB/s" in (out / "profile" / "rank0.txt").read_text()
+
+
 def test_host_copy_reads_its_values_without_waiting_for_later_work():
     """dist.HostCopy (the one-GPU step's skip flag): the values when taken, read while later kernels still run."""
     from shardtune.dist import HostCopy

@@ -55,3 +55,22 @@ def test_profile_key_parses():
     cfg = config_from_dict(BASE, ["log.profile={start: 3, steps: 2}"])
     assert (cfg.log.profile.start, cfg.log.profile.steps) == (3, 2)
     assert config_from_dict(BASE).log.profile is None
+
+
+def test_log_comm_false_installs_no_counter(tmp_path, cli):
+    """log.comm=false: no collective is counted (summary's comm counts no step); on by default (tests/dist)."""
+    from conftest import MICRO, ROOT
+
+    out = tmp_path / "run"
+    proc = cli("train", str(ROOT / "examples" / "tiny.yaml"), MICRO, "--nproc", "1", "train.max_steps=2",
+               "log.report=false", "log.comm=false", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["comm"]["steps"] == 0
+
+
+def test_profiler_keeps_the_collectives_of_its_steps_only(tmp_path):
+    prof = StepProfiler(start=2, steps=2, out=tmp_path, rank=0, device=torch.device("cpu"))
+    for step in range(1, 5):
+        prof.add_comm(step, {"all_gather": {"calls": 1, "bytes": 10.0 * step, "bus_bytes": 5.0 * step}})
+    assert prof.comm == {"all_gather": {"calls": 2, "bytes": 50.0, "bus_bytes": 25.0}}
+    assert prof.take_fields() == {}  # no GPU trace, no bandwidth (tests/unit/test_comm_kernels.py, tests/gpu)

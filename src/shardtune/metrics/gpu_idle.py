@@ -51,11 +51,11 @@ class IdleReport:
         return "\n".join(lines) + "\n"
 
 
-def _x_events(events: list[dict[str, Any]], cats: tuple[str, ...]) -> list[dict[str, Any]]:
+def x_events(events: list[dict[str, Any]], cats: tuple[str, ...]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in cats and "ts" in e]
 
 
-def _step_window(events: list[dict[str, Any]], gpu: list[dict[str, Any]]) -> tuple[float, float, int]:
+def step_window(events: list[dict[str, Any]], gpu: list[dict[str, Any]]) -> tuple[float, float, int]:
     steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
              and e.get("cat") in ("user_annotation", "cpu_op")]
     if steps:
@@ -92,14 +92,14 @@ def _label(stack: list[str]) -> str:
 def idle_report(trace: dict[str, Any]) -> IdleReport:
     """The GPU's idle time inside the profiled steps, grouped by what ended each gap (see the module doc)."""
     events = trace.get("traceEvents", [])
-    gpu = sorted(_x_events(events, GPU_CATS), key=lambda e: float(e["ts"]))
+    gpu = sorted(x_events(events, GPU_CATS), key=lambda e: float(e["ts"]))
     report = IdleReport()
     if not gpu:
         return report
-    lo, hi, report.steps = _step_window(events, gpu)
+    lo, hi, report.steps = step_window(events, gpu)
     report.window_us = hi - lo
-    launches = {e.get("args", {}).get("correlation"): e for e in _x_events(events, LAUNCH_CATS)}
-    syncs = sorted(((float(e["ts"]) + float(e.get("dur", 0)), e) for e in _x_events(events, LAUNCH_CATS)
+    launches = {e.get("args", {}).get("correlation"): e for e in x_events(events, LAUNCH_CATS)}
+    syncs = sorted(((float(e["ts"]) + float(e.get("dur", 0)), e) for e in x_events(events, LAUNCH_CATS)
                     if any(w in str(e["name"]) + " " for w in SYNC_WORDS)), key=lambda s: s[0])
     sync_ends = [s[0] for s in syncs]
     # thread -> (host time, gap, label prefix): gaps labelled by the operators around that time on that thread
@@ -120,7 +120,7 @@ def idle_report(trace: dict[str, Any]) -> IdleReport:
         report.busy_us += max(0.0, te - max(ts, end))
         end = max(end, te)
     ops_by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for e in _x_events(events, ("cpu_op", "user_annotation")):
+    for e in x_events(events, ("cpu_op", "user_annotation")):
         ops_by_thread[(e.get("pid"), e.get("tid"))].append(e)
     for key, queries in late.items():
         queries.sort()

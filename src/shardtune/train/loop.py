@@ -3,6 +3,7 @@ model source and data are the pieces plugged in."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -120,7 +121,7 @@ def run_training(cfg: Config, ctx: DistContext | None = None, *, overwrite: bool
     check_final_dir(cfg, overwrite)  # also here: torchrun may start the workers without `validate`
     signals.install()  # SIGTERM/SIGINT: finish the step, save, stop; SIGUSR1: save and go on
     try:
-        with comm.counting(comm.CommCounter()):
+        with comm.counting(comm.CommCounter()) if cfg.log.comm else contextlib.nullcontext():
             return _run(cfg, ctx, overwrite)
     finally:
         signals.uninstall()
@@ -459,6 +460,8 @@ def _end_step(run: Run, interval: _Interval, counter: Any, lr: float, grad_norm:
         comm.merge(interval.comm, step_comm)
         comm.merge(state.comm, step_comm)
         state.comm_steps += 1
+        if run.profiler is not None:
+            run.profiler.add_comm(state.step, step_comm)
     if request.stop:
         state.stopped_by, run.stop = request.stop, state.step
     due = run.ckpt.due(state.step, last=state.step == run.stop)
@@ -486,6 +489,7 @@ def _end_step(run: Run, interval: _Interval, counter: Any, lr: float, grad_norm:
         started = time.perf_counter()
         if run.profiler is not None:
             run.profiler.after(state.step)
+            interval.extra.update(run.profiler.take_fields())  # the profiled steps' bus bandwidth, logged once
         if run.memory is not None:
             run.memory.after(state.step)
         interval.trace_s += time.perf_counter() - started
@@ -638,7 +642,9 @@ def comm_summary(run: Run) -> dict[str, Any]:
             "bus_bytes_per_step": {k: t["bus_bytes"] / n for k, t in sorted(run.state.comm.items())},
             "bytes_per_step": {k: t["bytes"] / n for k, t in sorted(run.state.comm.items())},
             "calls_per_step": {k: t["calls"] / n for k, t in sorted(run.state.comm.items())},
-            "predicted_bus_bytes_per_step": predicted}
+            "predicted_bus_bytes_per_step": predicted,
+            # log.profile on a GPU: NCCL kernel time and achieved bus bandwidth of the profiled steps
+            "profiled": run.profiler.collectives if run.profiler is not None else None}
 
 
 def write_hf_dir(path: Path, built: BuiltModel, hf_config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
@@ -748,6 +754,7 @@ class _Interval:
         self.eval_s = 0.0  # time spent evaluating in this interval
         self.trace_s = 0.0  # time writing log.profile traces and log.memory_snapshot files in this interval
         self.comm: dict[str, dict[str, float]] = {}  # this rank's collectives in the interval, by kind
+        self.extra: dict[str, float] = {}  # fields for the next record only (the profiled steps' bandwidth)
         self.t0 = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, tokens: int, skipped: bool = False) -> None:
@@ -784,7 +791,8 @@ class _Interval:
         if self.trace_s > 0.01:  # the profiler's and snapshot's hooks take microseconds on the other steps
             record["trace_s"] = self.trace_s
         record.update(comm.per_step(self.comm, self.steps))
-        self.comm = {}
+        record.update(self.extra)
+        self.comm, self.extra = {}, {}
         self.loss_sum.zero_()
         self.steps, self.skipped, self.tokens = 0, 0, 0
         self.checkpoint_s, self.eval_s, self.trace_s, self.t0 = 0.0, 0.0, 0.0, time.perf_counter()
