@@ -62,13 +62,16 @@ def test_host_copy_reads_its_values_without_waiting_for_later_work():
 @pytest.mark.parametrize("peft", ["lora", "qlora"])
 def test_direct_trains_peft_as_fsdp2_on_one_gpu(tmp_path, peft):
     """parallel.one_gpu: direct (LoRA's matrices cast in their forward, clipping inside fused AdamW) against FSDP2
-    on a mesh of one, bf16 on the GPU: the same losses to bf16's rounding over 20 steps."""
+    on a mesh of one, bf16 on the GPU: the same losses to bf16's rounding over 20 steps. At lr 3e-3: at 1e-2 the
+    tiny LoRA run spikes (grad norm 3.9 at step 12) and amplifies the two paths' rounding (dividing the gradients
+    by the clip's factor in the kernel against multiplying them first) to 1.5% by step 20 on CPU and 7% on an
+    H200 (2026-12-04); at 3e-3 CPU keeps them within 1.4e-4 over the 20 steps."""
     losses = {}
     for mode in ("fsdp2", "direct"):
         out = tmp_path / mode
         proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
                          f"peft.method={peft}", "train.precision=bf16", "train.max_steps=20", "log.every=1",
-                         "parallel.strategy=zero2", f"parallel.one_gpu={mode}", "train.lr=0.01")
+                         "parallel.strategy=zero2", f"parallel.one_gpu={mode}", "train.lr=0.003")
         assert proc.returncode == 0, proc.stderr[-4000:]
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
         losses[mode] = [r["loss"] for r in records if "loss" in r]
