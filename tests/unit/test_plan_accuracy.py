@@ -1,5 +1,5 @@
 """The planner against every peak-memory measurement on record (bench/planner_accuracy_*.jsonl: real runs on one
-H200, each row named after its overrides in bench/planner_accuracy.py's MATRICES). The planner is a pure function
+H200, or on two where a row says `world: 2`, each row named after its overrides in bench/planner_accuracy.py's MATRICES). The planner is a pure function
 of the config, so the landed code's predictions are recomputed here and must stay within 5% of what was measured,
 as README.md claims: a change to the memory model that breaks a measured row fails here, without a GPU."""
 
@@ -84,7 +84,8 @@ def _predictions() -> list[tuple[dict, object]]:
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured
-        out.append((row, predict_run(cfg, load_hf_config(cfg.model), h200, world=1, per_node=1)))
+        world = int(row.get("world", 1))  # processes, one GPU each, on one node
+        out.append((row, predict_run(cfg, load_hf_config(cfg.model), h200, world=world, per_node=world)))
     return out
 
 
