@@ -1,7 +1,8 @@
 """The planner against every peak-memory measurement on record (bench/planner_accuracy_*.jsonl: real runs on one
-H200, or on two where a row says `world: 2`, each row named after its overrides in bench/planner_accuracy.py's MATRICES). The planner is a pure function
-of the config, so the landed code's predictions are recomputed here and must stay within 5% of what was measured,
-as README.md claims: a change to the memory model that breaks a measured row fails here, without a GPU."""
+H200, or on two where a row says `world: 2`, each row named after its overrides in bench/planner_accuracy.py's
+MATRICES). The planner is a pure function of the config, so the landed code's predictions are recomputed here and
+must stay within 5% of what was measured, as README.md claims: a change to the memory model that breaks a measured
+row fails here, without a GPU."""
 
 from __future__ import annotations
 
