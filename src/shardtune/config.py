@@ -342,8 +342,8 @@ class LogConfig(_Section):
     system: bool = Field(True, description="Sample GPU utilisation, memory, power and temperature (NVML) or, "
                                            "without NVML, the process's resident set, into metrics.jsonl.")
     comm: bool = Field(True, description="Count the bytes and calls of every collective (comm_<kind>_bytes in "
-                                         "metrics.jsonl, `comm` in summary.json); reads tensor sizes only, about "
-                                         "a microsecond per collective.")
+                                         "metrics.jsonl, `comm` in summary.json); reads tensor sizes only, ~3 us "
+                                         "per collective.")
     profile: ProfileConfig | None = Field(None, description="{start: S, steps: K}: torch.profiler trace of steps "
                                                             "S..S+K-1 per rank, OUTPUT_DIR/profile/rankR.json.")
     report: bool = Field(True, description="Write OUTPUT_DIR/report/ (HTML + PNG plots, `shardtune report`) at "
