@@ -383,6 +383,7 @@ NVME_SKIP = ("NVMe offload builds DeepSpeed's async_io op (~7 min of C++ on 2 co
              "to build and run it")
 ALLOWED_CI_SKIPS = {
     "needs CUDA": "tests/gpu: the CI machine has no GPU",
+    "needs 2 GPUs": "tests/gpu: the CI machine has no GPU (a two-GPU test says so first)",
     NVME_SKIP: "a build, not a missing install: more than half of the suite's 12-minute budget",
     "3.14's incremental collector has no full passes": "a Python version, not an install",
 }
