@@ -79,3 +79,32 @@ def test_direct_trains_peft_as_fsdp2_on_one_gpu(tmp_path, peft):
     assert losses["direct"][-1] < losses["direct"][0]
     for a, b in zip(losses["direct"], losses["fsdp2"], strict=True):
         assert a == pytest.approx(b, rel=2e-2)
+
+
+def test_liger_backward_without_the_sync_gives_liger_s_gradients_bit_for_bit():
+    """The fused loss's backward with Liger's own helper and with shardtune's (no host sync), bf16 on the GPU, the
+    loss scaled as shardtune scales it: the same hidden-state and head gradients, bit for bit."""
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+    from shardtune.models.liger import REPLACED, backward_without_sync, liger_loss
+
+    torch.manual_seed(0)
+    hidden = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16) / 16
+    targets = torch.randint(0, 4096, (1024,), device="cuda")
+    targets[::7] = -100
+    grads = {}
+    loss_fn = liger_loss(0)  # puts the sync-free helper in place
+    swapped = flce.fused_linear_cross_entropy_backward
+    assert swapped is backward_without_sync and len(REPLACED) == 1
+    original = REPLACED[0]
+    for name, helper in (("liger", original), ("shardtune", swapped)):
+        flce.fused_linear_cross_entropy_backward = helper
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        (loss_fn(w, h, targets) / 877.0 * 2).backward()
+        grads[name] = (h.grad, w.grad)
+    flce.fused_linear_cross_entropy_backward = swapped
+    for a, b in zip(grads["liger"], grads["shardtune"], strict=True):
+        assert torch.equal(a, b)
+    assert grads["liger"][0].abs().max() > 0

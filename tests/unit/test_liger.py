@@ -218,3 +218,156 @@ def test_the_fused_forward_shifts_labels_and_ignores_the_masked_ones():
     install_fused_loss(model, reference_fused_loss)
     got = model(input_ids=batch.input_ids, labels=batch.labels).loss
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+
+
+# liger_kernel/ops/fused_linear_cross_entropy.py of liger-kernel 0.8.5 (BSD-2-Clause), its backward helper verbatim,
+# in a stand-in module whose Triton kernel records its launches (Triton does not run on a CPU).
+LIGER_085_MODULE = """import torch
+
+
+class _Kernel:
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+element_mul_kernel = _Kernel()
+MAX_FUSED_SIZE = 65536 // 2
+
+
+class triton:
+    @staticmethod
+    def next_power_of_2(n):
+        return 1 << (n - 1).bit_length()
+
+
+def is_hip():
+    return torch.version.hip is not None
+
+
+def fused_linear_cross_entropy_backward(grad_output, grad_input, grad_weight, grad_bias):
+    # If cross entropy is the last layer, grad_output is 1.0. Skip the mul to save time
+    if not torch.equal(grad_output, torch.tensor(1.0, device=grad_output.device)):
+        # We use a Triton kernel instead of a PyTorch operation because modifying inputs in-place
+        # for gradient storage and backward multiple times causes anomalies with PyTorch but not with Triton.
+        BT, H = grad_input.shape
+        n_rows = BT
+        BLOCK_SIZE = min(MAX_FUSED_SIZE, triton.next_power_of_2(H))
+
+        element_mul_kernel[(n_rows,)](
+            grad_input,
+            grad_input.stride(-2),
+            grad_output,
+            H,
+            BLOCK_SIZE=BLOCK_SIZE,
+            X_col_stride=grad_input.stride(-1),
+            num_warps=32 if not is_hip() else 16,
+        )
+
+        # handle grad_weight
+        if grad_weight is not None:
+            V, H = grad_weight.shape
+            n_rows = V
+
+            element_mul_kernel[(n_rows,)](
+                grad_weight,
+                grad_weight.stride(-2),
+                grad_output,
+                H,
+                BLOCK_SIZE=BLOCK_SIZE,
+                X_col_stride=grad_weight.stride(-1),
+                num_warps=32 if not is_hip() else 16,
+            )
+
+        if grad_bias is not None:
+            V = grad_bias.shape[0]
+            n_rows = V
+
+            element_mul_kernel[(n_rows,)](
+                grad_bias,
+                grad_bias.stride(-1),
+                grad_output,
+                1,
+                BLOCK_SIZE=BLOCK_SIZE,
+                num_warps=32 if not is_hip() else 16,
+            )
+    return grad_input, grad_weight, grad_bias
+"""
+
+
+@pytest.fixture
+def stand_in_liger(tmp_path, monkeypatch):
+    """A liger_kernel package on sys.path whose ops.fused_linear_cross_entropy is LIGER_085_MODULE (or the text the
+    test writes); a real Liger (GPU machine) comes back after the test."""
+    import sys
+
+    def ligers() -> list[str]:
+        return [m for m in sys.modules if m == "liger_kernel" or m.startswith("liger_kernel.")]
+
+    def install(text: str = LIGER_085_MODULE):
+        ops = tmp_path / "liger_kernel" / "ops"
+        ops.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "liger_kernel" / "__init__.py").write_text("")
+        (ops / "__init__.py").write_text("")
+        (ops / "fused_linear_cross_entropy.py").write_text(text)
+        from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+        return flce
+
+    for name in ligers():
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield install
+    for name in ligers():  # the stand-in must not look installed to later tests
+        del sys.modules[name]
+
+
+def _grads():
+    return torch.randn(6, 3000), torch.randn(40, 3000), torch.randn(40)  # hidden 3000: BLOCK_SIZE 4096
+
+
+def _same_launches(a: list, b: list) -> bool:
+    def key(launch):
+        grid, args, kwargs = launch
+        return grid, [id(x) if isinstance(x, torch.Tensor) else x for x in args], kwargs
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_the_backward_without_the_sync_launches_what_liger_launches(stand_in_liger, with_weight):
+    """shardtune's loss is divided by the token count, so Liger's helper always multiplies: the helper swapped in
+    launches Liger's own kernel exactly as Liger 0.8.5 does then (grid, arguments, settings), without the test."""
+    from shardtune.models.liger import REPLACED, backward_without_sync, skip_backward_sync
+
+    flce = stand_in_liger()
+    original = flce.fused_linear_cross_entropy_backward
+    g_in, g_w, g_b = _grads()
+    if not with_weight:
+        g_w = g_b = None
+    scale = torch.tensor(0.25)
+    assert original(scale, g_in, g_w, g_b) == (g_in, g_w, g_b)
+    want, flce.element_mul_kernel.launches = flce.element_mul_kernel.launches, []
+    assert len(want) == (3 if with_weight else 1) and want[0][2]["BLOCK_SIZE"] == 4096
+    assert skip_backward_sync() and flce.fused_linear_cross_entropy_backward is backward_without_sync
+    assert len(REPLACED) == 1 and REPLACED[0] is original
+    assert backward_without_sync(scale, g_in, g_w, g_b) == (g_in, g_w, g_b)
+    assert _same_launches(flce.element_mul_kernel.launches, want)
+    assert skip_backward_sync()  # already in place: stays
+
+
+@pytest.mark.parametrize("change", ["an extra argument", "no test", "another kernel count"])
+def test_a_liger_whose_helper_changed_keeps_its_own(stand_in_liger, change):
+    from shardtune.models.liger import skip_backward_sync
+
+    text = {"an extra argument": LIGER_085_MODULE.replace("grad_weight, grad_bias):", "grad_weight, grad_bias, x=0):"),
+            "no test": LIGER_085_MODULE.replace("if not torch.equal(", "if not torch.allclose("),
+            "another kernel count": LIGER_085_MODULE.replace("    return grad_input, grad_weight, grad_bias",
+                                                             "    element_mul_kernel[(1,)](grad_input)\n"
+                                                             "    return grad_input, grad_weight, grad_bias")}[change]
+    assert text != LIGER_085_MODULE
+    flce = stand_in_liger(text)
+    original = flce.fused_linear_cross_entropy_backward
+    assert not skip_backward_sync()
+    assert flce.fused_linear_cross_entropy_backward is original
