@@ -251,6 +251,10 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     lr: float = Field(2e-5, gt=0.0)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    float8: Literal[False, "tensorwise", "rowwise"] = Field(
+        False, description="torchao float8 training of the transformer blocks' Linear layers (tensorwise or rowwise "
+                           "dynamic scales; the LM head and embeddings stay bf16): bf16, full fine-tuning, fsdp2, "
+                           "GPUs of compute capability 8.9+. Off until measured.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     epochs: int = Field(1, ge=1)
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(

@@ -51,6 +51,9 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
     check_liger(cfg.model.liger, device_type(), hf_config.model_type,
                 adapted_head=head_adapted(cfg.peft.method, cfg.peft.target_modules))
+    from shardtune.models.float8 import check_float8
+
+    check_float8(cfg, device_type())
     check_memory_snapshot(cfg, device_type())
     check_trackers(cfg)
     check_output_dir(cfg.train.output_dir)
@@ -178,6 +181,10 @@ def check_worker(cfg: Config, world: int) -> None:
 
         check_liger(cfg.model.liger, device_type(), load_hf_config(cfg.model).model_type,
                     adapted_head=head_adapted(cfg.peft.method, cfg.peft.target_modules))
+    if cfg.train.float8:
+        from shardtune.models.float8 import check_float8
+
+        check_float8(cfg, device_type())
     check_resume(cfg, world)
 
 

@@ -227,6 +227,10 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
         built.model.peft_config["default"].base_model_name_or_path = adapter_base(cfg.model)[0]
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
     _apply_liger(cfg, ctx, built, hf_config, backend)
+    if t.float8:  # on the meta model, before sharding and compile (models/float8.py)
+        from shardtune.models.float8 import convert_to_float8
+
+        log_rank0(ctx.rank, f"float8 ({t.float8}): {convert_to_float8(built.model, t.float8)} linear layers")
     if hasattr(backend, "skip_nonfinite"):
         backend.skip_nonfinite = t.skip_nonfinite
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights

@@ -1,0 +1,67 @@
+"""`train.float8`: torchao's float8 training for the Linear layers of the transformer blocks.
+
+Each converted layer (torchao.float8.Float8Linear, a subclass of nn.Linear with the same parameters and state
+dict keys, so checkpoints and exports do not change) casts its input, weight and output gradient to float8 with
+dynamic scales and runs its three matmuls through `torch._scaled_mm`: `tensorwise` one scale per tensor (the
+fastest), `rowwise` one per row (closer to bf16). The LM head and the embeddings stay bf16 (torchtitan's choice:
+the head's logits feed the loss directly). The conversion happens on the meta model, before sharding and
+compile, as torchtitan does; torch.compile fuses the casts into the neighbouring kernels.
+
+Needs bf16, full fine-tuning (a frozen base would be cast every step for nothing gained), the FSDP2 / DDP backend,
+and on GPUs compute capability 8.9+ (H100, H200, L40S, RTX 4090). It runs on CPUs too (torch's `_scaled_mm`),
+which is how it is tested. Off until measured on a GPU (bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtune.errors import ShardtuneError
+
+RECIPES = ("tensorwise", "rowwise")
+EXCLUDED = ("lm_head", "embed_tokens")  # kept in the compute dtype
+
+
+def check_float8(cfg: Any, device_type: str) -> None:
+    """Refuse `train.float8` where it cannot run, in one line with the fix."""
+    recipe = cfg.train.float8
+    if not recipe:
+        return
+    key = f"train.float8: {recipe}"
+    if cfg.train.precision != "bf16":
+        raise ShardtuneError(f"{key} trains in float8 from bf16 weights; set train.precision=bf16")
+    if cfg.peft.method != "none":
+        raise ShardtuneError(f"{key} is for full fine-tuning (peft.method={cfg.peft.method} freezes the layers it "
+                             "would convert); set train.float8=false")
+    if cfg.parallel.backend != "fsdp2":
+        raise ShardtuneError(f"{key} runs on the fsdp2 backend only; set parallel.backend=fsdp2 or "
+                             "train.float8=false")
+    tokens = cfg.train.micro_batch_size
+    if isinstance(tokens, int) and tokens * cfg.train.seq_len % 16:
+        raise ShardtuneError(f"{key}: float8 matmuls need the tokens of a micro-batch (micro_batch_size x seq_len "
+                             f"= {tokens * cfg.train.seq_len}) to be a multiple of 16; change train.seq_len")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ShardtuneError(f"{key} needs torchao; pip install 'torchao>=0.16' (or pip install -e '.[qlora]')") \
+            from None
+    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ShardtuneError(f"{key} needs a GPU of compute capability 8.9 or newer (H100, H200, L40S, RTX 4090); "
+                             f"this one is {major}.{minor}: set train.float8=false")
+
+
+def _wanted(module: nn.Module, fqn: str) -> bool:
+    return (isinstance(module, nn.Linear) and not any(part in fqn.split(".") for part in EXCLUDED)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert_to_float8(model: nn.Module, recipe: str) -> int:
+    """Swap the blocks' Linear layers of `model` (on meta or materialised) for Float8Linear; returns how many."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=_wanted)
+    return sum(isinstance(m, Float8Linear) for m in model.modules())

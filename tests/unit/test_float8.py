@@ -1,0 +1,72 @@
+"""train.float8: torchao's float8 training of the blocks' Linear layers. Its refusals, the conversion (which
+layers, state dict unchanged), and a real run on one CPU process against bf16 (torch's CPU `_scaled_mm` is a slow
+reference, so the micro model and a tiny batch). Speed is a GPU matter: bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import MICRO, ROOT
+
+from shardtune.config import load_config
+from shardtune.errors import ShardtuneError
+from shardtune.models.float8 import check_float8, convert_to_float8
+
+pytest.importorskip("torchao")  # a dev dependency: installed in CI
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.precision=fp32"], "set train.precision=bf16"),
+    (["peft.method=lora"], "is for full fine-tuning"),
+    (["parallel.backend=deepspeed"], "fsdp2 backend only"),
+    (["train.seq_len=25", "train.micro_batch_size=1"], "multiple of 16"),
+])
+def test_refused_where_it_cannot_run(overrides, message):
+    cfg = load_config(TINY, ["train.float8=tensorwise", "train.precision=bf16", *overrides])
+    with pytest.raises(ShardtuneError, match=message):
+        check_float8(cfg, "cpu")
+    check_float8(load_config(TINY, ["train.precision=bf16", *overrides]), "cpu")  # off: never refused
+
+
+def test_the_blocks_linear_layers_convert_and_the_state_dict_keeps_its_keys():
+    from torchao.float8.float8_linear import Float8Linear
+    from transformers import LlamaForCausalLM
+
+    from shardtune.models.presets import preset_config
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(preset_config("micro-llama"))
+    keys = list(model.state_dict())
+    assert convert_to_float8(model, "rowwise") == 2 * 7  # q k v o gate up down in each of the 2 blocks
+    assert not isinstance(model.lm_head, Float8Linear)
+    assert list(model.state_dict()) == keys
+
+
+def _losses(out) -> list[float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r and not r.get("eval")]
+
+
+def test_a_float8_run_trains_like_bf16_and_exports_a_plain_model(tmp_path, cli):
+    from safetensors.torch import load_file
+
+    runs = {}
+    for mode in ("false", "tensorwise"):
+        out = tmp_path / mode
+        proc = cli("train", TINY, MICRO, "--nproc", "1", "--output-dir", str(out), "train.precision=bf16",
+                   f"train.float8={mode}", "train.max_steps=4", "train.micro_batch_size=2", "log.every=1",
+                   "train.eval_batches=1", "log.report=false", "train.lr=0.003")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = _losses(out)
+    assert "float8 (tensorwise): 14 linear layers" in proc.stderr
+    assert len(runs["tensorwise"]) == 4 and all(torch.isfinite(torch.tensor(runs["tensorwise"])))
+    for a, b in zip(runs["false"], runs["tensorwise"], strict=True):
+        assert b == pytest.approx(a, rel=0.05)  # float8's e4m3 rounding (~6%) on a few weights per output
+    assert runs["tensorwise"] != runs["false"]  # it did run in float8
+    got = load_file(str(tmp_path / "tensorwise" / "model" / "model.safetensors"))
+    want = load_file(str(tmp_path / "false" / "model" / "model.safetensors"))
+    assert got.keys() == want.keys()
