@@ -22,7 +22,6 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 @pytest.mark.parametrize("overrides, message", [
     (["train.precision=fp32"], "set train.precision=bf16"),
     (["peft.method=lora"], "is for full fine-tuning"),
-    (["parallel.backend=deepspeed"], "fsdp2 backend only"),
     (["train.seq_len=25", "train.micro_batch_size=1"], "multiple of 16"),
 ])
 def test_refused_where_it_cannot_run(overrides, message):
@@ -30,6 +29,14 @@ def test_refused_where_it_cannot_run(overrides, message):
     with pytest.raises(ShardtuneError, match=message):
         check_float8(cfg, "cpu")
     check_float8(load_config(TINY, ["train.precision=bf16", *overrides]), "cpu")  # off: never refused
+
+
+def test_deepspeed_refuses_it_in_one_line():
+    from shardtune.validate import check_combination
+
+    with pytest.raises(ShardtuneError, match=r"train.float8 runs on parallel.backend=fsdp2"):
+        check_combination(load_config(TINY, ["train.float8=rowwise", "parallel.backend=deepspeed"]))
+    check_combination(load_config(TINY, ["train.float8=rowwise"]))
 
 
 def test_the_blocks_linear_layers_convert_and_the_state_dict_keeps_its_keys():

@@ -80,6 +80,7 @@ SUPPORTS = {
     "parallel.activation_offload": ("false", "true"),
     "parallel.shard_frozen": ("true", "false"),
     "parallel.one_gpu": ("fsdp2", "direct"),
+    "train.float8": ("false", "tensorwise", "rowwise"),
 }
 REFUSALS = {
     ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "
