@@ -43,11 +43,11 @@ SUPPORTS = {
     "parallel.one_gpu": ("fsdp2",),
     "train.float8": ("false",),
 }
+FLOAT8_REFUSAL = ("train.float8 runs on parallel.backend=fsdp2 (torchao's Float8Linear is not wired into "
+                  "DeepSpeed's engine); set parallel.backend=fsdp2, or train.float8=false")
 REFUSALS = {
-    ("train.float8", "tensorwise"): "train.float8 runs on parallel.backend=fsdp2 (torchao's Float8Linear is not "
-                                    "wired into DeepSpeed's engine); set parallel.backend=fsdp2, or train.float8=false",
-    ("train.float8", "rowwise"): "train.float8 runs on parallel.backend=fsdp2 (torchao's Float8Linear is not "
-                                 "wired into DeepSpeed's engine); set parallel.backend=fsdp2, or train.float8=false",
+    ("train.float8", "tensorwise"): FLOAT8_REFUSAL,
+    ("train.float8", "rowwise"): FLOAT8_REFUSAL,
     ("parallel.strategy", "hsdp"): "parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; "
                                    "set it, or use parallel.strategy=zero3 with deepspeed",
     ("parallel.activation_offload", "true"): "parallel.activation_offload: true runs on parallel.backend=fsdp2 "
