@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import MICRO, ROOT
+from conftest import MICRO, ROOT, one_line_error
 
 from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
@@ -29,6 +29,14 @@ def test_refused_where_it_cannot_run(overrides, message):
     with pytest.raises(ShardtuneError, match=message):
         check_float8(cfg, "cpu")
     check_float8(load_config(TINY, ["train.precision=bf16", *overrides]), "cpu")  # off: never refused
+
+
+def test_bad_float8_settings_exit_2_in_one_line(cli):
+    one_line_error(cli("validate", TINY, "train.float8=tensorwise", "train.precision=fp32"),
+                   "train.float8: tensorwise trains in float8 from bf16 weights")
+    one_line_error(cli("validate", TINY, "train.float8=rowwise", "parallel.backend=deepspeed"),
+                   "train.float8 runs on parallel.backend=fsdp2")
+    one_line_error(cli("validate", TINY, "train.float8=true"), "train.float8")
 
 
 def test_deepspeed_refuses_it_in_one_line():
