@@ -21,7 +21,7 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.precision=fp32"], "set train.precision=bf16"),
-    (["peft.method=lora"], "is for full fine-tuning"),
+    (["peft.method=qlora"], "NF4 already"),
     (["train.seq_len=25", "train.micro_batch_size=1"], "multiple of 16"),
 ])
 def test_refused_where_it_cannot_run(overrides, message):
@@ -61,6 +61,25 @@ def test_the_blocks_linear_layers_convert_and_the_state_dict_keeps_its_keys():
     assert list(model.state_dict()) == keys
 
 
+def test_with_lora_only_the_frozen_base_layers_convert():
+    from torchao.float8.float8_linear import Float8Linear
+    from transformers import LlamaForCausalLM
+
+    from shardtune.models.presets import preset_config
+    from shardtune.peft.lora import apply_lora
+
+    cfg = load_config(TINY, ["peft.method=lora", "peft.r=16"])
+    with torch.device("meta"):
+        model = apply_lora(LlamaForCausalLM(preset_config("micro-llama")), cfg.peft, "llama")
+    keys = list(model.state_dict())
+    converted = convert_to_float8(model, "tensorwise")
+    names = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert converted == len(names) > 0 and all(n.endswith(".base_layer") for n in names)
+    assert not any(isinstance(m, Float8Linear) for n, m in model.named_modules() if "lora_" in n)
+    assert all(not m.weight.requires_grad for n, m in model.named_modules() if isinstance(m, Float8Linear))
+    assert list(model.state_dict()) == keys
+
+
 def _losses(out) -> list[float]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r and not r.get("eval")]
@@ -85,3 +104,24 @@ def test_a_float8_run_trains_like_bf16_and_exports_a_plain_model(tmp_path, cli):
     got = load_file(str(tmp_path / "tensorwise" / "model" / "model.safetensors"))
     want = load_file(str(tmp_path / "false" / "model" / "model.safetensors"))
     assert got.keys() == want.keys()
+
+
+def test_a_float8_lora_run_trains_like_bf16_lora_and_saves_its_adapter(tmp_path, cli):
+    runs = {}
+    for mode in ("false", "tensorwise"):
+        out = tmp_path / mode
+        proc = cli("train", TINY, MICRO, "--nproc", "1", "--output-dir", str(out), "train.precision=bf16",
+                   f"train.float8={mode}", "peft.method=lora", "train.max_steps=4", "train.micro_batch_size=2",
+                   "log.every=1", "train.eval_batches=1", "log.report=false", "train.lr=0.01")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = _losses(out)
+    assert "float8 (tensorwise): 14 linear layers" in proc.stderr  # the base layers only
+    assert runs["tensorwise"] != runs["false"]
+    for a, b in zip(runs["false"], runs["tensorwise"], strict=True):
+        assert b == pytest.approx(a, rel=0.05)
+    from safetensors.torch import load_file
+
+    got, want = (load_file(str(tmp_path / mode / "adapter" / "adapter_model.safetensors"))
+                 for mode in ("tensorwise", "false"))
+    assert got.keys() == want.keys() and any("lora_B" in k for k in got)  # a plain PEFT adapter
+    assert all(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B starts at zero: it trained

@@ -7,9 +7,11 @@ fastest), `rowwise` one per row (closer to bf16). The LM head and the embeddings
 the head's logits feed the loss directly). The conversion happens on the meta model, before sharding and
 compile, as torchtitan does; torch.compile fuses the casts into the neighbouring kernels.
 
-Needs bf16, full fine-tuning (a frozen base would be cast every step for nothing gained), the FSDP2 / DDP backend,
-and on GPUs compute capability 8.9+ (H100, H200, L40S, RTX 4090). It runs on CPUs too (torch's `_scaled_mm`),
-which is how it is tested. Off until measured on a GPU (bench/RESULTS.md)."""
+With LoRA only the frozen base layers (PEFT's `base_layer`) convert: the adapters' small matrices stay bf16 and
+train as before, and the base's matmuls (forward, recompute, the input's gradient) run in float8; the weight's
+gradient torchao's backward also forms is dead code for a frozen weight, which torch.compile drops. QLoRA's base is
+NF4 already: refused. Needs bf16, the FSDP2 / DDP backend, and on GPUs compute capability 8.9+ (H100, H200, L40S,
+RTX 4090). It runs on CPUs too (torch's `_scaled_mm`), which is how it is tested; speed: bench/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -33,9 +35,9 @@ def check_float8(cfg: Any, device_type: str) -> None:
     key = f"train.float8: {recipe}"
     if cfg.train.precision != "bf16":
         raise ShardtuneError(f"{key} trains in float8 from bf16 weights; set train.precision=bf16")
-    if cfg.peft.method != "none":
-        raise ShardtuneError(f"{key} is for full fine-tuning (peft.method={cfg.peft.method} freezes the layers it "
-                             "would convert); set train.float8=false")
+    if cfg.peft.method == "qlora":
+        raise ShardtuneError(f"{key}: QLoRA's base layers are NF4 already (peft.method=qlora); set "
+                             "train.float8=false, or peft.method=lora for a float8 base")
     tokens = cfg.train.micro_batch_size
     if isinstance(tokens, int) and tokens * cfg.train.seq_len % 16:
         raise ShardtuneError(f"{key}: float8 matmuls need the tokens of a micro-batch (micro_batch_size x seq_len "
@@ -52,7 +54,9 @@ def check_float8(cfg: Any, device_type: str) -> None:
 
 
 def _wanted(module: nn.Module, fqn: str) -> bool:
-    return (isinstance(module, nn.Linear) and not any(part in fqn.split(".") for part in EXCLUDED)
+    parts = fqn.split(".")
+    return (isinstance(module, nn.Linear) and not any(part in parts for part in EXCLUDED)
+            and not any(part.startswith("lora_") for part in parts)  # LoRA's own A / B stay bf16
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
