@@ -536,3 +536,18 @@ def test_a_refusal_names_the_fused_loss_when_the_logits_do_not_fit(capsys: pytes
     assert main(["plan", *args[1:-2], "model.liger=loss", "--gpu", "h200"]) == 0  # with it, it fits (it trained,
     config = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("config"))  # 2026-12-04)
     assert config.endswith(", fits")
+
+
+def test_float8_is_priced_faster_and_smaller_only_where_it_pays(eight_b):
+    """train.float8: compiled LoRA gains on the base's matmuls and saves float8 copies in place of bf16; eager
+    blocks keep their bf16 inputs, and eager LoRA also forms the frozen weights' gradients (dropped)."""
+    h200 = lookup("h200")
+    base = Setting(strategy="zero2", peft="lora", compile=True, activation_checkpointing="full", micro_batch_size=2)
+    f8 = replace(base, float8="tensorwise")
+    assert step_time(eight_b, f8, h200).seconds < step_time(eight_b, base, h200).seconds
+    assert activations(eight_b, f8)[1] < activations(eight_b, base)[1]
+    eager, eager_f8 = replace(base, compile=False), replace(base, compile=False, float8="tensorwise")
+    assert activations(eight_b, eager_f8) == activations(eight_b, eager)
+    gain_compiled = step_time(eight_b, base, h200).seconds - step_time(eight_b, f8, h200).seconds
+    gain_eager = step_time(eight_b, eager, h200).seconds - step_time(eight_b, eager_f8, h200).seconds
+    assert gain_eager < gain_compiled

@@ -48,6 +48,12 @@ DIRECT_FRAGMENTATION = 0.03
 # per token: 12.9-32.0 GiB measured on 8B QLoRA at 131,072-327,680 tokens (calls 35-36, bench/RESULTS.md), where
 # the shares above would say 4-9 GiB. Whichever is larger is counted.
 CACHED_TRANSIENTS = 3.7
+# train.float8 in compiled blocks: the partitioner keeps float8 copies where bf16 tensors were saved for backward
+# (matmul inputs cast once, reused by the gradient matmuls). Share of a block's saved bytes left, fitted on the 1B
+# without checkpointing (one H200, calls 64 and 66: 3.00 GiB less peak of the 9.27 GiB predicted for activations,
+# both recipes); it predicts 8B LoRA's recomputed block 0.17 GiB smaller, measured 0.18 (tensorwise; rowwise 0.00).
+# Eager float8 saves its bf16 inputs: no change.
+FLOAT8_ACTIVATIONS = 0.676
 # CUDA context, cuBLAS / cuDNN handles and kernels loaded outside the caching allocator; NCCL's own
 # buffers when there is more than one process (NCCL_BUFFSIZE 4 MiB x channels x peers, ~0.5 GiB).
 CUDA_CONTEXT = 0.75 * GIB
@@ -102,6 +108,8 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     if s.compile or s.liger_kernels:
         total -= 8 * h + p * f
     total += s.rules.residual_bytes(m, s)  # DDP's autocast: an fp32 residual stream
+    if s.float8 != "false" and s.compile:
+        total *= FLOAT8_ACTIVATIONS
     return float(total)
 
 

@@ -36,6 +36,7 @@ class Setting:
     fused_loss: bool = False  # model.liger puts Liger's fused linear + cross-entropy in (FSDP2/DDP backends only)
     liger_kernels: bool = False  # model.liger swaps Liger's RMSNorm, RoPE and SwiGLU into the blocks
     liger_chunk: int = 0  # model.liger_chunk: tokens per chunk of the fused loss (0 = Liger's own choice)
+    float8: str = "false"  # train.float8: false | tensorwise | rowwise
     world: int = 1
     per_node: int = 1
     shard_size: int | None = None  # hsdp's group; None = per_node
@@ -125,6 +126,6 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),
-        liger_chunk=chunk_tokens(cfg.model.liger_chunk), world=world,
+        liger_chunk=chunk_tokens(cfg.model.liger_chunk), float8=str(t.float8 or "false"), world=world,
         per_node=per_node,
         shard_size=p.shard_size if isinstance(p.shard_size, int) else None)

@@ -46,6 +46,16 @@ LIGER_EFF = {"eager": 1.17, "compiled": 0.85, "loss": 0.97, "peft": 0.96, "peft_
 # share of HBM bandwidth: 1B on one H200 (bench/RESULTS.md 2026-12-04, seventeenth session, call 45), 1024-token
 # chunks (8 a step) ran 19.6 ms a step faster than 256 (32): 24 x 2.1 GB in 19.6 ms.
 FUSED_CHUNK_EFF = 0.6
+# train.float8: the blocks' Linear layers in float8 (torchao), each recipe's speedup on the time of those layers'
+# matmuls (forward, recompute, backward; casts included), against bf16 at the same kernel efficiency. Each fitted
+# on its own rows (one H200, compiled blocks, Liger's loss, bench/RESULTS.md twenty-first session, calls 64-66):
+# full fine-tuning on the 1B shape (tensorwise 1.162 and 1.132 in two calls, geometric mean; rowwise 0.916, its
+# per-row casts cost more than the K = 2,048 matmuls save), LoRA on the 8B shape with full checkpointing (the
+# frozen base's forward and input-gradient matmuls: tensorwise 1.294 and 1.224; rowwise 1.228). Other shapes are
+# extrapolated: larger matmuls gain more. Eager blocks were not measured; with LoRA they also form the frozen
+# weights' gradients (2 FLOPs per weight and token) that compile drops.
+FLOAT8_SPEEDUP = {("tensorwise", "full"): 1.147, ("rowwise", "full"): 0.916,
+                  ("tensorwise", "peft"): 1.259, ("rowwise", "peft"): 1.228}
 # LoRA's adapter matmuls are small and memory-bound: bytes moved per adapter element per token, at HBM speed.
 LORA_OVERHEAD = 0.1
 # The optimizer step streams every trainable parameter's state: fused AdamW reads fp32 p, g, m, v and writes
@@ -224,11 +234,25 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     return pcie + adam + activations
 
 
+def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float) -> float:
+    """Seconds train.float8 takes off the blocks' linear matmuls (FLOAT8_SPEEDUP), less the frozen weights'
+    gradients eager LoRA forms and drops; `seconds_per_flop_token` = tokens / bf16 rate."""
+    frozen = s.peft != "none"
+    per_weight = (4.0 if frozen else 6.0) + (2.0 if s.activation_checkpointing == "full" else 0.0)
+    linear = per_weight * m.layers * m.block_params * seconds_per_flop_token
+    saving = linear * (1.0 - 1.0 / FLOAT8_SPEEDUP[(s.float8, "peft" if frozen else "full")])
+    if frozen and not s.compile:
+        saving -= 2.0 * m.layers * m.block_params * seconds_per_flop_token / FLOAT8_SPEEDUP[(s.float8, "peft")]
+    return saving
+
+
 def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     tokens = s.tokens * s.grad_accum
     rate = hw.bf16_flops * hw.matmul_efficiency * kernel_efficiency(m, s)
     counted, run = attention_flops_per_token(m, s)
     compute = tokens * (train_flops_per_token(m, s) - counted) / rate
+    if s.float8 != "false":
+        compute -= float8_saving(m, s, tokens / rate)
     # Eager attention is batched matmuls at the GEMM rate; the fused kernels run at their own.
     compute += tokens * run / (rate if s.attn == "eager" else hw.bf16_flops * hw.matmul_efficiency * ATTN_EFF)
     if s.peft != "none":
