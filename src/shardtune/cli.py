@@ -454,7 +454,8 @@ def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
         ("backend", p.backend),
         ("strategy", f"{p.strategy}: {describe(cfg, world)}"),
         ("offload", offload),
-        ("precision", f"{t.precision}, activation checkpointing {p.activation_checkpointing}"
+        ("precision", f"{t.precision}" + (f", float8 matmuls ({t.float8})" if t.float8 else "")
+                      + f", activation checkpointing {p.activation_checkpointing}"
                       + (", saved activations in host memory" if p.activation_offload else "")
                       + (", compile" if p.compile else "")
                       + (f" ({p.compile_mode})" if p.compile and p.compile_mode != "default" else "")

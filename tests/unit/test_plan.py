@@ -551,3 +551,17 @@ def test_float8_is_priced_faster_and_smaller_only_where_it_pays(eight_b):
     gain_compiled = step_time(eight_b, base, h200).seconds - step_time(eight_b, f8, h200).seconds
     gain_eager = step_time(eight_b, eager, h200).seconds - step_time(eight_b, eager_f8, h200).seconds
     assert gain_eager < gain_compiled
+
+
+def test_plan_names_float8_where_it_runs_and_pays(capsys: pytest.CaptureFixture[str]) -> None:
+    lora = ["plan", "bench/bench.yaml", "data.train_file=examples/data/tasks.jsonl", "model.preset=llama-3-8b",
+            "peft.method=lora", "parallel.compile=true", "train.micro_batch_size=2",
+            "parallel.activation_checkpointing=full"]
+    assert main([*lora, "--gpu", "h200"]) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float8 ")]
+    assert len(hint) == 1 and "train.float8=tensorwise" in hint[0] and "(+" in hint[0]
+    assert main([*lora, "--gpu", "a100-80gb"]) == 0  # no float8 tensor cores
+    assert "train.float8" not in capsys.readouterr().out
+    assert main([*lora, "--gpu", "h200", "train.float8=tensorwise"]) == 0  # on already: said, not hinted
+    out = capsys.readouterr().out
+    assert "float8 matmuls (tensorwise)" in out and "train.float8=tensorwise:" not in out

@@ -141,6 +141,10 @@ def known_names() -> str:
     return ", ".join(GPUS)
 
 
+# GPU types with float8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell), where train.float8 runs.
+FLOAT8_GPUS = frozenset({"h200", "h100", "h100-pcie", "l40s", "rtx4090", "l4", "b200"})
+
+
 def lookup(name: str, memory_bytes: int | None = None) -> Hardware:
     """The table entry for a GPU type or device name, case-insensitive: 'h200', 'NVIDIA H200', 'a100-80gb',
     'NVIDIA A100-SXM4-80GB'. An A100 named without its memory size takes it from `memory_bytes` (the
