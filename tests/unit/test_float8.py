@@ -126,3 +126,22 @@ def test_a_float8_lora_run_trains_like_bf16_lora_and_saves_its_adapter(tmp_path,
                  for mode in ("tensorwise", "false"))
     assert got.keys() == want.keys() and any("lora_B" in k for k in got)  # a plain PEFT adapter
     assert all(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B starts at zero: it trained
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_float8_under_zero3_on_two_processes_matches_one(tmp_path, cli, peft):
+    """FSDP2 zero3 over 2 gloo processes gathers each bf16 weight (LoRA: the sharded frozen base) before torchao
+    casts it, so float8's scales, and the losses, are one process's (the same global batch: 2 x 1 against 1 x 2
+    accumulated)."""
+    runs = {}
+    for nproc, accum in ((1, 2), (2, 1)):
+        out = tmp_path / str(nproc)
+        proc = cli("train", TINY, MICRO, "--nproc", str(nproc), "--output-dir", str(out), "train.precision=bf16",
+                   "train.float8=tensorwise", "parallel.strategy=zero3", "train.max_steps=4", f"peft.method={peft}",
+                   "train.micro_batch_size=2", f"train.grad_accum={accum}", "log.every=1", "train.eval_batches=1",
+                   "log.report=false", "train.lr=0.003")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[nproc] = _losses(out)
+    assert len(runs[2]) == 4
+    for a, b in zip(runs[1], runs[2], strict=True):
+        assert b == pytest.approx(a, abs=1e-5)
