@@ -250,11 +250,23 @@ class OptimConfig(_Section):
 
 class TrainConfig(_Section):
     lr: float = Field(2e-5, gt=0.0)
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    precision: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="Compute precision; fp8 = bf16 with train.float8=tensorwise (what the saved config says).")
     float8: Literal[False, "tensorwise", "rowwise"] = Field(
         False, description="torchao float8 training of the transformer blocks' Linear layers (tensorwise or rowwise "
-                           "dynamic scales; the LM head and embeddings stay bf16): bf16, full fine-tuning, fsdp2, "
-                           "GPUs of compute capability 8.9+. Off until measured.")
+                           "dynamic scales; the LM head and embeddings stay bf16; with LoRA the frozen base layers): "
+                           "bf16, fsdp2, GPUs of compute capability 8.9+.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fp8(cls, data: Any) -> Any:
+        """precision: fp8 (the name DeepSpeed / accelerate users know) is bf16 with float8 matmuls."""
+        if not isinstance(data, dict) or str(data.get("precision")).lower() != "fp8":
+            return data
+        if data.get("float8", "tensorwise") in (False, "false", "False", None):
+            raise ValueError("train.precision: fp8 means bf16 with train.float8=tensorwise; drop train.float8=false, "
+                             "or set train.precision=bf16")
+        return {**data, "precision": "bf16", "float8": data.get("float8", "tensorwise")}
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     epochs: int = Field(1, ge=1)
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(

@@ -145,3 +145,11 @@ def test_float8_under_zero3_on_two_processes_matches_one(tmp_path, cli, peft):
     assert len(runs[2]) == 4
     for a, b in zip(runs[1], runs[2], strict=True):
         assert b == pytest.approx(a, abs=1e-5)
+
+
+def test_precision_fp8_is_bf16_with_float8_matmuls(cli):
+    assert (load_config(TINY, ["train.precision=fp8"]).train.float8, load_config(TINY, ["train.precision=fp8"])
+            .train.precision) == ("tensorwise", "bf16")
+    assert load_config(TINY, ["train.precision=fp8", "train.float8=rowwise"]).train.float8 == "rowwise"
+    one_line_error(cli("validate", TINY, "train.precision=fp8", "train.float8=false"),
+                   "train.precision: fp8 means bf16 with train.float8=tensorwise")
