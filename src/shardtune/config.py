@@ -250,7 +250,7 @@ class OptimConfig(_Section):
 
 class TrainConfig(_Section):
     lr: float = Field(2e-5, gt=0.0)
-    precision: Literal["bf16", "fp16", "fp32"] = Field(
+    precision: Literal["bf16", "fp16", "fp32"] = Field(  # fp8 is read as bf16 + float8 (_fp8)
         "bf16", description="Compute precision; fp8 = bf16 with train.float8=tensorwise (what the saved config says).")
     float8: Literal[False, "tensorwise", "rowwise"] = Field(
         False, description="torchao float8 training of the transformer blocks' Linear layers (tensorwise or rowwise "

@@ -62,7 +62,7 @@ def test_bad_override_syntax(item, fragment):
     ("train.learning_rate=1", ["train.learning_rate", "unknown key", "did you mean 'lr'"]),
     ("train.micro_batchsize=2", ["did you mean 'micro_batch_size'"]),
     ("parallel.strategy=zero4", ["parallel.strategy", "'zero4'", "ddp", "zero3"]),
-    ("train.precision=fp8", ["train.precision", "bf16"]),
+    ("train.precision=fp4", ["train.precision", "bf16"]),
     ("train.lr=abc", ["train.lr", "'abc'", "number"]),
     ("train.lr=-1", ["train.lr", "greater than 0"]),
     ("train.max_steps=0", ["train.max_steps", "greater than or equal to 1"]),
