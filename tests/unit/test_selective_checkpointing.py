@@ -17,7 +17,7 @@ from shardtune.parallel import prepare
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
 
-def _model(mode: str):
+def _model(mode: str, float8: bool = False):
     cfg = load_config(TINY, [f"parallel.activation_checkpointing={mode}"])
     hf_config = load_hf_config(cfg.model)
     model = build_on_meta(hf_config, "sdpa").to_empty(device="cpu")
@@ -26,12 +26,17 @@ def _model(mode: str):
         torch.nn.init.normal_(p, std=0.05)
     restore_buffers(model, torch.device("cpu"))
     model.train()
+    if float8:
+        from shardtune.models.float8 import convert_to_float8
+
+        model.to(torch.bfloat16)
+        convert_to_float8(model, "tensorwise")
     prepare.checkpoint_and_compile(model, list(model.model.layers), cfg.parallel)
     return model, hf_config.num_hidden_layers
 
 
-def _loss_and_grads(mode: str):
-    model, layers = _model(mode)
+def _loss_and_grads(mode: str, float8: bool = False):
+    model, layers = _model(mode, float8)
     ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -72,3 +77,30 @@ def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
     # Forward: 7 projections per block, q / v / gate / down saved, k / o / up recomputed; the attention saved.
     assert decisions == Counter({("mm", "MUST_SAVE"): 4 * layers, ("mm", "PREFER_RECOMPUTE"): 3 * layers,
                                  ("attention", "MUST_SAVE"): layers}), decisions
+
+
+def test_selective_saves_every_other_float8_matmul_too(monkeypatch):
+    """train.float8's layers call aten.mm on torchao's float8 tensors (their _scaled_mm runs below the checkpoint's
+    dispatch mode), so the policy sees and counts them as matmuls: the same 4 saved and 3 recomputed per block, and
+    the loss of no checkpointing."""
+    pytest.importorskip("torchao")
+    decisions: Counter = Counter()
+    original = prepare.selective_policy
+
+    def counting(counts):
+        policy = original(counts)
+
+        def decide(ctx, func, *args, **kwargs):
+            choice = policy(ctx, func, *args, **kwargs)
+            if func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default) and not ctx.is_recompute:
+                floats8 = any("float8" in str(getattr(a, "_data", a).dtype) for a in args if hasattr(a, "dtype"))
+                decisions[(func.__name__, floats8, choice.name)] += 1
+            return choice
+
+        return decide
+
+    monkeypatch.setattr(prepare, "selective_policy", counting)
+    loss, _, layers = _loss_and_grads("selective", float8=True)
+    assert decisions == Counter({("mm.default", True, "MUST_SAVE"): 4 * layers,
+                                 ("mm.default", True, "PREFER_RECOMPUTE"): 3 * layers}), decisions
+    assert loss == _loss_and_grads("none", float8=True)[0]
