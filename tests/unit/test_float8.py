@@ -128,22 +128,45 @@ def test_a_float8_lora_run_trains_like_bf16_lora_and_saves_its_adapter(tmp_path,
     assert all(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B starts at zero: it trained
 
 
+ZERO3 = ["train.precision=bf16", "train.float8=tensorwise", "parallel.strategy=zero3", "train.max_steps=4",
+         "train.micro_batch_size=2", "log.every=1", "train.eval_batches=1", "log.report=false", "train.lr=0.003"]
+
+
+def _zero3(cli, out, nproc: int, *extra: str) -> list[float]:
+    accum = 2 // nproc  # the same global batch: 2 x 1 against 1 x 2 accumulated
+    proc = cli("train", TINY, MICRO, "--nproc", str(nproc), "--output-dir", str(out), *ZERO3,
+               f"train.grad_accum={accum}", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _losses(out)
+
+
+@pytest.fixture(scope="module")
+def one_process_float8(tmp_path_factory) -> list[float]:
+    from conftest import run_cli
+
+    return _zero3(run_cli, tmp_path_factory.mktemp("float8_one"), 1)
+
+
 @pytest.mark.parametrize("peft", ["none", "lora"])
-def test_float8_under_zero3_on_two_processes_matches_one(tmp_path, cli, peft):
+def test_float8_under_zero3_on_two_processes_matches_one(tmp_path, cli, peft, one_process_float8):
     """FSDP2 zero3 over 2 gloo processes gathers each bf16 weight (LoRA: the sharded frozen base) before torchao
-    casts it, so float8's scales, and the losses, are one process's (the same global batch: 2 x 1 against 1 x 2
-    accumulated)."""
-    runs = {}
-    for nproc, accum in ((1, 2), (2, 1)):
-        out = tmp_path / str(nproc)
-        proc = cli("train", TINY, MICRO, "--nproc", str(nproc), "--output-dir", str(out), "train.precision=bf16",
-                   "train.float8=tensorwise", "parallel.strategy=zero3", "train.max_steps=4", f"peft.method={peft}",
-                   "train.micro_batch_size=2", f"train.grad_accum={accum}", "log.every=1", "train.eval_batches=1",
-                   "log.report=false", "train.lr=0.003")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[nproc] = _losses(out)
-    assert len(runs[2]) == 4
-    for a, b in zip(runs[1], runs[2], strict=True):
+    casts it, so float8's scales, and the losses, are one process's."""
+    want = one_process_float8 if peft == "none" else _zero3(cli, tmp_path / "one", 1, "peft.method=lora")
+    got = _zero3(cli, tmp_path / "two", 2, f"peft.method={peft}")
+    assert len(got) == 4
+    for a, b in zip(want, got, strict=True):
+        assert b == pytest.approx(a, abs=1e-5)
+
+
+def test_a_float8_checkpoint_of_two_processes_resumes_on_one(tmp_path, cli, one_process_float8):
+    """The float8 layers keep nn.Linear's state dict, so a zero3 checkpoint of 2 processes resumes on 1 (DCP
+    reshards it) and steps 3-4 are the uninterrupted run's."""
+    out = tmp_path / "run"
+    assert _zero3(cli, out, 2, "checkpoint.every_steps=2", "train.stop_after_step=2") == pytest.approx(
+        one_process_float8[:2], abs=1e-5)
+    resumed = _zero3(cli, out, 1, "--resume", "auto")
+    assert len(resumed) == 4
+    for a, b in zip(one_process_float8[2:], resumed[2:], strict=True):
         assert b == pytest.approx(a, abs=1e-5)
 
 
