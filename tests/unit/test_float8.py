@@ -176,3 +176,39 @@ def test_precision_fp8_is_bf16_with_float8_matmuls(cli):
     assert load_config(TINY, ["train.precision=fp8", "train.float8=rowwise"]).train.float8 == "rowwise"
     one_line_error(cli("validate", TINY, "train.precision=fp8", "train.float8=false"),
                    "train.precision: fp8 means bf16 with train.float8=tensorwise")
+
+
+def test_cached_frozen_float8_weights_give_the_same_numbers_and_free_the_bf16_ones():
+    """cache_frozen_weights: a LoRA model's frozen float8 base layers cast once give the per-call casts' loss and
+    adapter gradients bit for bit, and the bf16 weights' storage is released (names and shapes stay)."""
+    from transformers import LlamaForCausalLM
+
+    from shardtune.models.float8 import cache_frozen_weights, frozen_float8_linear
+    from shardtune.models.presets import preset_config
+    from shardtune.peft.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = apply_lora(LlamaForCausalLM(preset_config("micro-llama")), load_config(TINY, ["peft.method=lora"]).peft,
+                       "llama").to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)  # B starts at zero: give the base's input gradient a path
+    convert_to_float8(model, "tensorwise")
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    keys = {k: v.shape for k, v in model.state_dict().items()}
+    want_loss, want = loss_and_grads()
+    assert cache_frozen_weights(model) == 14
+    cached = [m for m in model.modules() if isinstance(m, frozen_float8_linear())]
+    assert len(cached) == 14 and all(m.weight.untyped_storage().nbytes() == 0 for m in cached)
+    assert {k: v.shape for k, v in model.state_dict().items()} == keys
+    got_loss, got = loss_and_grads()
+    assert torch.equal(got_loss, want_loss)
+    for name, grad in want.items():
+        assert torch.equal(got[name], grad), name

@@ -15,6 +15,7 @@ RTX 4090). It runs on CPUs too (torch's `_scaled_mm`), which is how it is tested
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -67,3 +68,48 @@ def convert_to_float8(model: nn.Module, recipe: str) -> int:
 
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=_wanted)
     return sum(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def cache_frozen_weights(model: nn.Module, free: bool = True) -> int:
+    """Cast each frozen tensorwise Float8Linear's weight to float8 once (a frozen weight's scale never changes) and
+    let its forward pass that cast to torchao's matmul, which takes an already-cast weight as it is, in the forward
+    and for the input's gradient: the same numbers as casting every call, without the ~5 bytes moved per weight
+    three times a step. `free` releases the bf16 weight's storage (the parameter keeps its shape and name; nothing
+    reads a frozen base's values after this but its forward). Weights sharded as DTensors, trainable ones and
+    rowwise layers (two casts of different layout) are left alone. Returns how many layers were cached."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    cached = 0
+    for module in model.modules():
+        if (type(module) is not Float8Linear or module.weight.requires_grad or isinstance(module.weight, DTensor)
+                or module.weight.is_meta or module.bias is not None
+                or module.config.cast_config_weight.scaling_granularity is not ScalingGranularity.TENSORWISE):
+            continue
+        dtype = module.config.cast_config_weight.target_dtype
+        weight_t = hp_tensor_to_float8_dynamic(module.weight.detach().t(), dtype, module.linear_mm_config,
+                                               gemm_input_role=GemmInputRole.WEIGHT)
+        module.register_buffer("weight_float8_t", weight_t, persistent=False)
+        module.__class__ = frozen_float8_linear()
+        if free:
+            module.weight.untyped_storage().resize_(0)
+        cached += 1
+    return cached
+
+
+@functools.cache
+def frozen_float8_linear() -> type:
+    """FrozenFloat8Linear, made on first use (torchao is imported only where float8 is used)."""
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    class FrozenFloat8Linear(Float8Linear):
+        """A Float8Linear whose frozen weight was cast once (cache_frozen_weights): its forward uses that cast."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return matmul_with_hp_or_float8_args.apply(input, self.weight_float8_t, self.linear_mm_config,
+                                                       self.config)
+
+    return FrozenFloat8Linear
