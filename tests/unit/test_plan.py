@@ -562,6 +562,8 @@ def test_plan_names_float8_where_it_runs_and_pays(capsys: pytest.CaptureFixture[
     assert len(hint) == 1 and "train.float8=tensorwise" in hint[0] and "(+" in hint[0]
     assert main([*lora, "--gpu", "a100-80gb"]) == 0  # no float8 tensor cores
     assert "train.float8" not in capsys.readouterr().out
+    assert main([*lora, "--gpu", "h200", "parallel.backend=deepspeed", "parallel.strategy=zero2"]) == 0
+    assert "train.float8" not in capsys.readouterr().out  # DeepSpeed's table does not run it
     assert main([*lora, "--gpu", "h200", "train.float8=tensorwise"]) == 0  # on already: said, not hinted
     out = capsys.readouterr().out
     assert "float8 matmuls (tensorwise)" in out and "train.float8=tensorwise:" not in out

@@ -78,13 +78,15 @@ def float8_hint(plan: Plan) -> str:
     opt-in: float8 matmuls round differently from bf16's)."""
     from dataclasses import replace
 
+    from shardtune.parallel import BACKENDS
     from shardtune.plan.hardware import FLOAT8_GPUS
     from shardtune.plan.search import price
 
     c = plan.chosen()
     s = c.setting
-    if (plan.hardware.name not in FLOAT8_GPUS or s.float8 != "false" or s.precision != "bf16" or s.peft == "qlora"
-            or s.backend != "fsdp2" or s.tokens % 16):
+    runs = "tensorwise" in BACKENDS[s.backend].supports.get("train.float8", ())  # the backend's own table
+    if (plan.hardware.name not in FLOAT8_GPUS or not runs or s.float8 != "false" or s.precision != "bf16"
+            or s.peft == "qlora" or s.tokens % 16):
         return ""
     f8 = price(plan.shape, replace(s, float8="tensorwise"), plan.hardware, plan.result.capacity,
                plan.result.host_capacity)
