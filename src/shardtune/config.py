@@ -298,9 +298,11 @@ class PeftConfig(_Section):
     target_modules: list[str] | Literal["auto", "all-linear"] = Field(
         "auto", description="auto = the architecture's attention + MLP projections; all-linear; or names.")
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
-    base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+    base_dtype: Literal["auto", "fp32", "bf16", "fp16", "float8"] = Field(
         "auto", description="Storage dtype of the frozen base weights (NF4 ones excepted): auto = the compute "
-                            "precision, as a base loaded for PEFT in bf16; adapters keep fp32 masters.")
+                            "precision, as a base loaded for PEFT in bf16; adapters keep fp32 masters. float8 (LoRA "
+                            "with train.float8=tensorwise, the base whole on each GPU): the adapted layers' weights "
+                            "cast to float8 once after loading, their bf16 copies freed.")
 
 
 class CheckpointConfig(_Section):

@@ -107,25 +107,52 @@ def test_a_float8_run_trains_like_bf16_and_exports_a_plain_model(tmp_path, cli):
 
 
 def test_a_float8_lora_run_trains_like_bf16_lora_and_saves_its_adapter(tmp_path, cli):
+    """LoRA with the frozen base layers in float8: close to bf16 LoRA; with peft.base_dtype=float8 (the casts made
+    once, the bf16 weights freed) the same losses bit for bit, and a plain PEFT adapter either way."""
     runs = {}
-    for mode in ("false", "tensorwise"):
+    for mode, extra in (("false", []), ("tensorwise", []), ("cached", ["peft.base_dtype=float8"])):
         out = tmp_path / mode
         proc = cli("train", TINY, MICRO, "--nproc", "1", "--output-dir", str(out), "train.precision=bf16",
-                   f"train.float8={mode}", "peft.method=lora", "train.max_steps=4", "train.micro_batch_size=2",
-                   "log.every=1", "train.eval_batches=1", "log.report=false", "train.lr=0.01")
+                   f"train.float8={'tensorwise' if mode == 'cached' else mode}", "peft.method=lora",
+                   "train.max_steps=4", "train.micro_batch_size=2", "log.every=1", "train.eval_batches=1",
+                   "log.report=false", "train.lr=0.01", *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[mode] = _losses(out)
-    assert "float8 (tensorwise): 14 linear layers" in proc.stderr  # the base layers only
-    assert "set parallel.compile=true" in proc.stderr  # eager: the frozen weights' gradients are formed for nothing
+        if mode == "tensorwise":
+            assert "float8 (tensorwise): 14 linear layers" in proc.stderr  # the base layers only
+            assert "set parallel.compile=true" in proc.stderr  # eager: the frozen weights' gradients for nothing
+    assert "float8 base: 14 frozen layers kept as their float8 casts" in proc.stderr
     assert runs["tensorwise"] != runs["false"]
     for a, b in zip(runs["false"], runs["tensorwise"], strict=True):
         assert b == pytest.approx(a, rel=0.05)
+    assert runs["cached"] == runs["tensorwise"]
     from safetensors.torch import load_file
 
     got, want = (load_file(str(tmp_path / mode / "adapter" / "adapter_model.safetensors"))
-                 for mode in ("tensorwise", "false"))
+                 for mode in ("cached", "false"))
     assert got.keys() == want.keys() and any("lora_B" in k for k in got)  # a plain PEFT adapter
     assert all(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B starts at zero: it trained
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["peft.method=lora"], "set peft.method=lora and train.float8=tensorwise"),
+    (["peft.method=lora", "train.float8=rowwise"], "set peft.method=lora and train.float8=tensorwise"),
+    (["peft.method=none", "train.float8=tensorwise"], "set peft.method=lora and train.float8=tensorwise"),
+    (["peft.method=lora", "train.float8=tensorwise", "parallel.strategy=ddp"], "whole on each GPU"),
+])
+def test_a_float8_base_is_refused_where_it_cannot_be_kept(overrides, message):
+    from shardtune.validate import check_combination
+
+    cfg = load_config(TINY, ["train.precision=bf16", "peft.base_dtype=float8", *overrides])
+    with pytest.raises(ShardtuneError, match=message):
+        check_combination(cfg, 1)
+    sharded = load_config(TINY, ["train.precision=bf16", "peft.base_dtype=float8", "peft.method=lora",
+                                 "train.float8=tensorwise"])
+    check_combination(sharded, 1)  # one process: the base is whole
+    with pytest.raises(ShardtuneError, match=r"parallel\.shard_frozen=false"):
+        check_combination(sharded, 2)  # two: auto shards it
+    check_combination(load_config(TINY, ["train.precision=bf16", "peft.base_dtype=float8", "peft.method=lora",
+                                         "train.float8=tensorwise", "parallel.shard_frozen=false"]), 2)
 
 
 ZERO3 = ["train.precision=bf16", "train.float8=tensorwise", "parallel.strategy=zero3", "train.max_steps=4",

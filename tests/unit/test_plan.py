@@ -567,3 +567,17 @@ def test_plan_names_float8_where_it_runs_and_pays(capsys: pytest.CaptureFixture[
     assert main([*lora, "--gpu", "h200", "train.float8=tensorwise"]) == 0  # on already: said, not hinted
     out = capsys.readouterr().out
     assert "float8 matmuls (tensorwise)" in out and "train.float8=tensorwise:" not in out
+
+
+def test_a_float8_base_is_one_byte_per_adapted_weight_after_a_bf16_load(eight_b):
+    """peft.base_dtype: float8: training holds the adapted weights as 1-byte casts; loading holds them in bf16 first,
+    which is the peak where training's activations are small."""
+    base = Setting(strategy="zero2", peft="lora", compile=True, activation_checkpointing="full", micro_batch_size=2,
+                   float8="tensorwise", shard_frozen=False, fused_loss=True, liger_chunk=1024)
+    cached = replace(base, base_dtype="float8")
+    saved = model_states(eight_b, base)["parameters"] - model_states(eight_b, cached)["parameters"]
+    assert saved == pytest.approx(eight_b.target_params * 1.0)  # 2 bytes -> 1 for every adapted weight
+    memory = gpu_memory(eight_b, cached)
+    assert memory.phase == "weight load"
+    assert memory.allocated == pytest.approx(model_states(eight_b, base)["parameters"])
+    assert memory.allocated < gpu_memory(eight_b, base).allocated

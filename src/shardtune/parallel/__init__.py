@@ -42,7 +42,7 @@ def check_combination(cfg: Config, world: int | None = None, *, device: str | No
     from shardtune import peft
 
     check(cfg, world, device, candidate=candidate)
-    peft.check(cfg.peft, cfg.optim, cfg.train.precision, candidate=candidate)
+    peft.check(cfg.peft, cfg.optim, cfg.train.precision, candidate=candidate, float8=cfg.train.float8)
 
 
 def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:

@@ -103,6 +103,10 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
     if world is not None and p.strategy == "hsdp":
         hsdp_shard_size(p, world, world)
+    if cfg.peft.base_dtype == "float8" and (p.strategy == "ddp" or (world is not None and not frozen_whole(p, world))):
+        raise ShardtuneError("peft.base_dtype: float8 casts each frozen weight once where the base is whole on each "
+                             "GPU outside FSDP2 (zero2 / zero3 / hsdp with parallel.shard_frozen=false, or one "
+                             "process); set that, or peft.base_dtype=auto")
     if p.activation_offload and p.strategy == "ddp":
         raise ShardtuneError("parallel.activation_offload: true with parallel.strategy=ddp would move autocast's "
                              "compute-dtype copies of the weights with the activations; set parallel.strategy=zero2 "

@@ -8,7 +8,8 @@ from shardtune.config import OptimConfig, PeftConfig
 from shardtune.errors import ShardtuneError
 
 
-def check(peft: PeftConfig, optim: OptimConfig, precision: str, *, candidate: bool = False) -> None:
+def check(peft: PeftConfig, optim: OptimConfig, precision: str, *, candidate: bool = False,
+          float8: str | bool = False) -> None:
     """What the LoRA / QLoRA / 8-bit AdamW settings need, whatever the backend (peft, torchao, a base dtype
     the matmuls can take), refused in one line with the fix. `candidate` (a planner's): the packages are only
     looked up, not imported (peft and torchao import torch and transformers, seconds of a `plan`)."""
@@ -22,7 +23,11 @@ def check(peft: PeftConfig, optim: OptimConfig, precision: str, *, candidate: bo
     if peft.method == "qlora" and peft.use_dora:
         raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
                              "offer here; use peft.method=lora with DoRA, or qlora without it")
-    if peft.method != "none" and peft.base_dtype not in ("auto", "fp32", precision):
+    if peft.base_dtype == "float8" and (peft.method != "lora" or float8 != "tensorwise"):
+        raise ShardtuneError("peft.base_dtype: float8 keeps LoRA's frozen base as the float8 casts of "
+                             "train.float8=tensorwise (made once); set peft.method=lora and train.float8=tensorwise, "
+                             "or peft.base_dtype=auto")
+    if peft.method != "none" and peft.base_dtype not in ("auto", "fp32", "float8", precision):
         raise ShardtuneError(f"peft.base_dtype: {peft.base_dtype} base weights with train.precision={precision} "
                              f"would meet {precision} activations in the matmuls; set peft.base_dtype=auto (or "
                              f"fp32), or train.precision={peft.base_dtype}")

@@ -48,7 +48,7 @@ def apply_lora(model: nn.Module, cfg: PeftConfig, model_type: str) -> nn.Module:
 
 def frozen_dtype(base_dtype: str, precision: str) -> torch.dtype:
     """The storage dtype of the frozen base: `peft.base_dtype`, auto = the compute precision."""
-    name = precision if base_dtype == "auto" else base_dtype
+    name = precision if base_dtype in ("auto", "float8") else base_dtype  # float8: cast once loaded
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 

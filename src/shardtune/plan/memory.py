@@ -16,7 +16,7 @@ to measurements on one H200 (bench/RESULTS.md, "planner accuracy"); never to a s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardtune.models.facts import LLAMA_LINEARS
 from shardtune.plan.setting import Setting
@@ -54,6 +54,8 @@ CACHED_TRANSIENTS = 3.7
 # both recipes); it predicts 8B LoRA's recomputed block 0.17 GiB smaller, measured 0.18 (tensorwise; rowwise 0.00).
 # Eager float8 saves its bf16 inputs: no change.
 FLOAT8_ACTIVATIONS = 0.676
+# peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer).
+FLOAT8_BYTES = 1.0
 # CUDA context, cuBLAS / cuDNN handles and kernels loaded outside the caching allocator; NCCL's own
 # buffers when there is more than one process (NCCL_BUFFSIZE 4 MiB x channels x peers, ~0.5 GiB).
 CUDA_CONTEXT = 0.75 * GIB
@@ -240,6 +242,8 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
         frozen = 0.0
     elif s.peft == "qlora":
         frozen = m.target_params * NF4_BYTES / pshards + (m.params - m.target_params) * s.frozen_bytes / local
+    elif s.base_dtype == "float8":  # the adapted layers' weights as their float8 casts, 1 byte each
+        frozen = (m.target_params * FLOAT8_BYTES + (m.params - m.target_params) * s.frozen_bytes) / local
     else:
         frozen = m.params * s.frozen_bytes / local
     special = s.rules.model_states(m, s)  # DeepSpeed's full fine-tuning keeps compute-dtype weights + masters
@@ -311,6 +315,8 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
                          "buffers": buffers},
         "optimizer": dict(on_gpu),
     }
+    if s.base_dtype == "float8":  # loaded in the compute dtype, cast once afterwards: the whole base meanwhile
+        phases["weight load"] = {"parameters": model_states(m, replace(s, base_dtype="auto"))["parameters"]}
     phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: float(v) for k, v in terms.items() if v}
     allocated = sum(terms.values())

@@ -52,8 +52,9 @@ class Setting:
 
     @property
     def frozen_bytes(self) -> int:
-        """Bytes of one frozen base weight under LoRA (peft.base_dtype, auto = the compute precision)."""
-        return PRECISION_BYTES[self.precision if self.base_dtype == "auto" else self.base_dtype]
+        """Bytes of one frozen base weight under LoRA (peft.base_dtype, auto = the compute precision; float8: as
+        loaded, before the adapted layers' casts, and the rest of the base)."""
+        return PRECISION_BYTES[self.precision if self.base_dtype in ("auto", "float8") else self.base_dtype]
 
     @property
     def rules(self) -> Any:

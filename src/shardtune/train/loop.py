@@ -240,6 +240,8 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     # are not read. With adapters the checkpoint holds only them: the base is read again.
     weights = None if resume and not built.adapters else built.source
     backend.setup(built.model, built.blocks, weights, OptimizerFactory(cfg.optim, t.lr))
+    if cfg.peft.base_dtype == "float8":  # the frozen base, loaded in bf16, kept as its float8 casts
+        _cache_float8_base(built.model, ctx)
     schedule = build_scheduler(backend.optimizer, cfg.optim, total_steps)
     dtype = SAVE_DTYPES[save_dtype(cfg)]
     ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(path, built, hf_config, tokenizer, dtype),
@@ -271,6 +273,19 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
         run.system = SystemSampler().start()
     _print_start(run)
     return run
+
+
+def _cache_float8_base(model: torch.nn.Module, ctx: DistContext) -> None:
+    from shardtune.models.float8 import cache_frozen_weights
+
+    before = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+    cached = cache_frozen_weights(model)
+    if not cached:
+        raise ShardtuneError("peft.base_dtype: float8 found no frozen float8 layer whole on this process to cast; "
+                             "set peft.base_dtype=auto")
+    freed = (before - torch.cuda.memory_allocated(ctx.device)) / 2**30 if ctx.device.type == "cuda" else 0.0
+    log_rank0(ctx.rank, f"float8 base: {cached} frozen layers kept as their float8 casts"
+              + (f" ({freed:.1f} GiB freed)" if freed > 0 else ""))
 
 
 def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: Any, backend: Backend) -> None:
