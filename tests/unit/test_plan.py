@@ -567,6 +567,9 @@ def test_plan_names_float8_where_it_runs_and_pays(capsys: pytest.CaptureFixture[
     assert main([*lora, "--gpu", "h200", "train.float8=tensorwise"]) == 0  # on already: said, not hinted
     out = capsys.readouterr().out
     assert "float8 matmuls (tensorwise)" in out and "train.float8=tensorwise:" not in out
+    assert "peft.base_dtype=float8: " in out  # what keeping the casts would save instead
+    assert main([*lora, "--gpu", "h200", "train.float8=tensorwise", "peft.base_dtype=float8"]) == 0
+    assert "peft.base_dtype=float8: " not in capsys.readouterr().out
 
 
 def test_a_float8_base_is_one_byte_per_adapted_weight_after_a_bf16_load(eight_b):

@@ -75,7 +75,8 @@ def summary_lines(plan: Plan) -> list[str]:
 
 def float8_hint(plan: Plan) -> str:
     """The run priced with train.float8=tensorwise where it can run and is predicted 5% faster or more (it is
-    opt-in: float8 matmuls round differently from bf16's)."""
+    opt-in: float8 matmuls round differently from bf16's); with it on for LoRA and the base whole, the memory of
+    keeping the frozen layers as their float8 casts (peft.base_dtype=float8: the same numbers)."""
     from dataclasses import replace
 
     from shardtune.parallel import BACKENDS
@@ -84,6 +85,11 @@ def float8_hint(plan: Plan) -> str:
 
     c = plan.chosen()
     s = c.setting
+    if s.float8 == "tensorwise" and s.peft == "lora" and s.base_dtype == "auto" and s.frozen_local:
+        kept = price(plan.shape, replace(s, base_dtype="float8"), plan.hardware, plan.result.capacity,
+                     plan.result.host_capacity)
+        return (f"peft.base_dtype=float8: {kept.memory.total / GIB:.1f} GiB per GPU predicted (peak at "
+                f"{kept.memory.phase}) against {c.memory.total / GIB:.1f}; the frozen float8 layers cast once")
     runs = "tensorwise" in BACKENDS[s.backend].supports.get("train.float8", ())  # the backend's own table
     if (plan.hardware.name not in FLOAT8_GPUS or not runs or s.float8 != "false" or s.precision != "bf16"
             or s.peft == "qlora" or s.tokens % 16):
