@@ -2,10 +2,10 @@
 
 `train.float8` with LoRA runs the frozen base layers through torchao's Float8Linear, which casts the bf16 weight to
 float8 (an amax pass and a cast pass over every weight) in the forward, again in the recompute and again in the
-backward: ~5 bytes moved per weight each time, ~120 GB a step on the 8B shape, where the whole step is ~310 ms on
-an H200. A frozen weight's tensorwise scale never changes, so its float8 copy could be made once (torchao's matmul
-takes an already-cast weight as it is) and the bf16 weight freed: 8 GB less on the 8B. This probe times one
-Llama-3-8B block's seven projections (tokens x 4096 into q, k, v, o, gate, up, down; frozen weights, the input's
+backward: ~5 bytes moved per weight each time, ~100 GB a step on the 8B shape, where the whole step is ~310 ms on an
+H200 (calls 65-66). A frozen weight's tensorwise scale never changes, so its float8 copy can be made once (torchao's
+matmul takes an already-cast weight as it is) and the bf16 weight freed: 6.5 GiB less on the 8B. This probe times
+one Llama-3-8B block's seven projections (tokens x 4096 into q, k, v, o, gate, up, down; frozen weights, the input's
 gradient only, compiled) as plain bf16, as Float8Linear, and as Float8Linear fed the cached cast, and checks that
 the cached path gives the dynamic path's outputs and input gradients bit for bit.
 

@@ -174,12 +174,14 @@ def one_process_float8(tmp_path_factory) -> list[float]:
     return _zero3(run_cli, tmp_path_factory.mktemp("float8_one"), 1)
 
 
-@pytest.mark.parametrize("peft", ["none", "lora"])
+@pytest.mark.parametrize("peft", ["none", "lora", "lora-float8-base"])
 def test_float8_under_zero3_on_two_processes_matches_one(tmp_path, cli, peft, one_process_float8):
     """FSDP2 zero3 over 2 gloo processes gathers each bf16 weight (LoRA: the sharded frozen base) before torchao
-    casts it, so float8's scales, and the losses, are one process's."""
+    casts it, so float8's scales, and the losses, are one process's; so does a base kept whole on each process as
+    its float8 casts (peft.base_dtype=float8, loaded layer by layer after FSDP2's set-up)."""
     want = one_process_float8 if peft == "none" else _zero3(cli, tmp_path / "one", 1, "peft.method=lora")
-    got = _zero3(cli, tmp_path / "two", 2, f"peft.method={peft}")
+    extra = ["peft.base_dtype=float8", "parallel.shard_frozen=false"] if peft == "lora-float8-base" else []
+    got = _zero3(cli, tmp_path / "two", 2, f"peft.method={peft[:4]}", *extra)
     assert len(got) == 4
     for a, b in zip(want, got, strict=True):
         assert b == pytest.approx(a, abs=1e-5)

@@ -572,15 +572,13 @@ def test_plan_names_float8_where_it_runs_and_pays(capsys: pytest.CaptureFixture[
     assert "peft.base_dtype=float8: " not in capsys.readouterr().out
 
 
-def test_a_float8_base_is_one_byte_per_adapted_weight_after_a_bf16_load(eight_b):
-    """peft.base_dtype: float8: training holds the adapted weights as 1-byte casts; loading holds them in bf16 first,
-    which is the peak where training's activations are small."""
+def test_a_float8_base_is_one_byte_per_adapted_weight(eight_b):
+    """peft.base_dtype: float8: the adapted weights as 1-byte casts (loaded one layer at a time, so no bf16 base
+    phase): 7.5 GiB less on the 8B shape's LoRA."""
     base = Setting(strategy="zero2", peft="lora", compile=True, activation_checkpointing="full", micro_batch_size=2,
                    float8="tensorwise", shard_frozen=False, fused_loss=True, liger_chunk=1024)
     cached = replace(base, base_dtype="float8")
     saved = model_states(eight_b, base)["parameters"] - model_states(eight_b, cached)["parameters"]
     assert saved == pytest.approx(eight_b.target_params * 1.0)  # 2 bytes -> 1 for every adapted weight
-    memory = gpu_memory(eight_b, cached)
-    assert memory.phase == "weight load"
-    assert memory.allocated == pytest.approx(model_states(eight_b, base)["parameters"])
-    assert memory.allocated < gpu_memory(eight_b, base).allocated
+    assert saved / GIB == pytest.approx(6.5, abs=0.5)
+    assert gpu_memory(eight_b, base).allocated - gpu_memory(eight_b, cached).allocated == pytest.approx(saved)

@@ -70,6 +70,31 @@ def convert_to_float8(model: nn.Module, recipe: str) -> int:
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 
 
+def _cacheable(module: nn.Module) -> bool:
+    """A frozen, unsharded, bias-free tensorwise Float8Linear: its weight's float8 cast never changes."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+
+    weight = module._parameters.get("weight") if type(module) is Float8Linear else None
+    return (weight is not None and not weight.requires_grad and not isinstance(weight, DTensor)
+            and module.bias is None
+            and module.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE)
+
+
+def _cache_one(module: nn.Module, free: bool) -> None:
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    dtype = module.config.cast_config_weight.target_dtype
+    weight_t = hp_tensor_to_float8_dynamic(module.weight.detach().t(), dtype, module.linear_mm_config,
+                                           gemm_input_role=GemmInputRole.WEIGHT)
+    module.register_buffer("weight_float8_t", weight_t, persistent=False)
+    module.__class__ = frozen_float8_linear()
+    if free:
+        module.weight.untyped_storage().resize_(0)
+
+
 def cache_frozen_weights(model: nn.Module, free: bool = True) -> int:
     """Cast each frozen tensorwise Float8Linear's weight to float8 once (a frozen weight's scale never changes) and
     let its forward pass that cast to torchao's matmul, which takes an already-cast weight as it is, in the forward
@@ -77,27 +102,32 @@ def cache_frozen_weights(model: nn.Module, free: bool = True) -> int:
     three times a step. `free` releases the bf16 weight's storage (the parameter keeps its shape and name; nothing
     reads a frozen base's values after this but its forward). Weights sharded as DTensors, trainable ones and
     rowwise layers (two casts of different layout) are left alone. Returns how many layers were cached."""
-    from torch.distributed.tensor import DTensor
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_linear import Float8Linear
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
+    modules = [m for m in model.modules() if _cacheable(m) and not m.weight.is_meta]
+    for module in modules:
+        _cache_one(module, free)
+    return len(modules)
 
-    cached = 0
-    for module in model.modules():
-        if (type(module) is not Float8Linear or module.weight.requires_grad or isinstance(module.weight, DTensor)
-                or module.weight.is_meta or module.bias is not None
-                or module.config.cast_config_weight.scaling_granularity is not ScalingGranularity.TENSORWISE):
-            continue
-        dtype = module.config.cast_config_weight.target_dtype
-        weight_t = hp_tensor_to_float8_dynamic(module.weight.detach().t(), dtype, module.linear_mm_config,
-                                               gemm_input_role=GemmInputRole.WEIGHT)
-        module.register_buffer("weight_float8_t", weight_t, persistent=False)
-        module.__class__ = frozen_float8_linear()
-        if free:
-            module.weight.untyped_storage().resize_(0)
-        cached += 1
-    return cached
+
+def take_frozen_weights(model: nn.Module) -> list[tuple[str, nn.Module, torch.Tensor]]:
+    """peft.base_dtype: float8, before the backend loads the model: take the cacheable layers' (meta) weights out
+    of it, so that loading does not allocate the whole bf16 base at once; load_frozen_weights puts each back as its
+    float8 cast, one layer's bf16 at a time. Returns (parameter name, module, meta weight)."""
+    taken = []
+    for name, module in model.named_modules():
+        if _cacheable(module):
+            taken.append((f"{name}.weight", module, module._parameters.pop("weight")))
+    return taken
+
+
+def load_frozen_weights(taken: list[tuple[str, nn.Module, torch.Tensor]], source: Any, device: torch.device) -> int:
+    """Read each taken weight from `source` (models/weights.WeightSource) onto `device`, put it back in its module
+    and keep only its float8 cast (cache_frozen_weights' per layer). Returns how many layers."""
+    for name, module, meta in taken:
+        weight = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        weight.copy_(source.rows(name, meta.shape, 0, meta.shape[0]))
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        _cache_one(module, free=True)
+    return len(taken)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ to measurements on one H200 (bench/RESULTS.md, "planner accuracy"); never to a s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from shardtune.models.facts import LLAMA_LINEARS
 from shardtune.plan.setting import Setting
@@ -54,7 +54,8 @@ CACHED_TRANSIENTS = 3.7
 # both recipes); it predicts 8B LoRA's recomputed block 0.17 GiB smaller, measured 0.18 (tensorwise; rowwise 0.00).
 # Eager float8 saves its bf16 inputs: no change.
 FLOAT8_ACTIVATIONS = 0.676
-# peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer).
+# peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer),
+# loaded one layer at a time (train/loop.py), so the bf16 base is never whole on the GPU.
 FLOAT8_BYTES = 1.0
 # CUDA context, cuBLAS / cuDNN handles and kernels loaded outside the caching allocator; NCCL's own
 # buffers when there is more than one process (NCCL_BUFFSIZE 4 MiB x channels x peers, ~0.5 GiB).
@@ -315,8 +316,8 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
                          "buffers": buffers},
         "optimizer": dict(on_gpu),
     }
-    if s.base_dtype == "float8":  # loaded in the compute dtype, cast once afterwards: the whole base meanwhile
-        phases["weight load"] = {"parameters": model_states(m, replace(s, base_dtype="auto"))["parameters"]}
+    # (peft.base_dtype: float8 loads each adapted weight in the compute dtype and keeps its cast: one weight's
+    # compute-dtype copy at a time, under 0.2 GiB on the 8B shape, before any activation exists.)
     phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: float(v) for k, v in terms.items() if v}
     allocated = sum(terms.values())

@@ -239,9 +239,10 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
     # are not read. With adapters the checkpoint holds only them: the base is read again.
     weights = None if resume and not built.adapters else built.source
+    taken = _take_float8_base(cfg, built)
     backend.setup(built.model, built.blocks, weights, OptimizerFactory(cfg.optim, t.lr))
-    if cfg.peft.base_dtype == "float8":  # the frozen base, loaded in bf16, kept as its float8 casts
-        _cache_float8_base(built.model, ctx)
+    if taken:  # the frozen float8 layers, loaded one at a time and kept as their float8 casts
+        _load_float8_base(taken, weights, ctx)
     schedule = build_scheduler(backend.optimizer, cfg.optim, total_steps)
     dtype = SAVE_DTYPES[save_dtype(cfg)]
     ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(path, built, hf_config, tokenizer, dtype),
@@ -275,17 +276,27 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     return run
 
 
-def _cache_float8_base(model: torch.nn.Module, ctx: DistContext) -> None:
-    from shardtune.models.float8 import cache_frozen_weights
+def _take_float8_base(cfg: Config, built: BuiltModel) -> list[Any]:
+    """peft.base_dtype: float8: the frozen float8 layers' weights, out of the model while the backend loads it."""
+    if cfg.peft.base_dtype != "float8":
+        return []
+    from shardtune.models.float8 import take_frozen_weights
+
+    taken = take_frozen_weights(built.model)
+    if not taken:
+        raise ShardtuneError("peft.base_dtype: float8 found no frozen float8 layer to keep as its cast; set "
+                             "peft.base_dtype=auto")
+    return taken
+
+
+def _load_float8_base(taken: list[Any], weights: Any, ctx: DistContext) -> None:
+    from shardtune.models.float8 import load_frozen_weights
 
     before = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
-    cached = cache_frozen_weights(model)
-    if not cached:
-        raise ShardtuneError("peft.base_dtype: float8 found no frozen float8 layer whole on this process to cast; "
-                             "set peft.base_dtype=auto")
-    freed = (before - torch.cuda.memory_allocated(ctx.device)) / 2**30 if ctx.device.type == "cuda" else 0.0
-    log_rank0(ctx.rank, f"float8 base: {cached} frozen layers kept as their float8 casts"
-              + (f" ({freed:.1f} GiB freed)" if freed > 0 else ""))
+    count = load_frozen_weights(taken, weights, ctx.device)
+    added = (torch.cuda.memory_allocated(ctx.device) - before) / 2**30 if ctx.device.type == "cuda" else 0.0
+    log_rank0(ctx.rank, f"float8 base: {count} frozen layers kept as their float8 casts"
+              + (f" ({added:.1f} GiB)" if added > 0 else ""))
 
 
 def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: Any, backend: Backend) -> None:
