@@ -241,3 +241,34 @@ def test_cached_frozen_float8_weights_give_the_same_numbers_and_free_the_bf16_on
     assert torch.equal(got_loss, want_loss)
     for name, grad in want.items():
         assert torch.equal(got[name], grad), name
+
+
+def test_a_kept_float8_cast_skips_the_frozen_weight_s_gradient_matmul():
+    """torchao's matmul forms the weight's gradient whatever the weight (compile drops it for a frozen one); the
+    kept cast's layer runs only the forward and the input-gradient matmuls, eagerly too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardtune.models.float8 import cache_frozen_weights
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).to(torch.bfloat16)
+        layer[0].weight.requires_grad_(False)
+        convert_to_float8(layer, "tensorwise")
+        if keep:
+            assert cache_frozen_weights(layer) == 1
+        x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+        with CountMatmuls() as mode:
+            layer(x).sum().backward()
+        counts[keep] = mode.count
+    assert counts == {False: 3, True: 2}, counts

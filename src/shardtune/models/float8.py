@@ -133,13 +133,44 @@ def load_frozen_weights(taken: list[tuple[str, nn.Module, torch.Tensor]], source
 @functools.cache
 def frozen_float8_linear() -> type:
     """FrozenFloat8Linear, made on first use (torchao is imported only where float8 is used)."""
-    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def cast(t: torch.Tensor, cast_config: Any, mm_config: Any, config: Any, role: Any) -> torch.Tensor:
+        return hp_tensor_to_float8_dynamic(
+            t, cast_config.target_dtype, mm_config, gemm_input_role=role,
+            scaling_granularity=cast_config.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(-1, cast_config.scaling_granularity),
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+
+    class FrozenMatmul(torch.autograd.Function):
+        """torchao's matmul_with_hp_or_float8_args for a frozen, already-cast weight: the same input and
+        output-gradient casts and matmuls, without the weight's gradient (torchao forms it whatever the weight;
+        compiled blocks drop it, eager ones would pay a third float8 matmul for nothing)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight_t: torch.Tensor, mm_config: Any, config: Any) -> torch.Tensor:
+            ctx.save_for_backward(weight_t)
+            ctx.mm_config, ctx.config = mm_config, config
+            x8 = cast(x, config.cast_config_input, mm_config, config, GemmInputRole.INPUT)
+            out = torch.mm(x8.reshape(-1, x8.shape[-1]), weight_t)
+            return out.reshape(*x8.shape[:-1], out.shape[-1])
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            (weight_t,) = ctx.saved_tensors
+            g8 = cast(grad.reshape(-1, grad.shape[-1]), ctx.config.cast_config_grad_output, ctx.mm_config,
+                      ctx.config, GemmInputRole.GRAD_OUTPUT)
+            grad_input = torch.mm(g8, weight_t.t())
+            return grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1]), None, None, None
 
     class FrozenFloat8Linear(Float8Linear):
         """A Float8Linear whose frozen weight was cast once (cache_frozen_weights): its forward uses that cast."""
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            return matmul_with_hp_or_float8_args.apply(input, self.weight_float8_t, self.linear_mm_config,
-                                                       self.config)
+            if torch.is_autocast_enabled(input.device.type):  # as Float8Linear.forward
+                input = input.to(torch.get_autocast_dtype(input.device.type))
+            return FrozenMatmul.apply(input, self.weight_float8_t, self.linear_mm_config, self.config)
 
     return FrozenFloat8Linear

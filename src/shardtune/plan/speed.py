@@ -53,7 +53,7 @@ FUSED_CHUNK_EFF = 0.6
 # per-row casts cost more than the K = 2,048 matmuls save), LoRA on the 8B shape with full checkpointing (the
 # frozen base's forward and input-gradient matmuls: tensorwise 1.294 and 1.224; rowwise 1.228). Other shapes are
 # extrapolated: larger matmuls gain more. Eager blocks were not measured; with LoRA they also form the frozen
-# weights' gradients (2 FLOPs per weight and token) that compile drops.
+# weights' gradients (2 FLOPs per weight and token) that compile drops (peft.base_dtype: float8 never forms them).
 FLOAT8_SPEEDUP = {("tensorwise", "full"): 1.147, ("rowwise", "full"): 0.916,
                   ("tensorwise", "peft"): 1.259, ("rowwise", "peft"): 1.228}
 # LoRA's adapter matmuls are small and memory-bound: bytes moved per adapter element per token, at HBM speed.
@@ -241,7 +241,7 @@ def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float) -> f
     per_weight = (4.0 if frozen else 6.0) + (2.0 if s.activation_checkpointing == "full" else 0.0)
     linear = per_weight * m.layers * m.block_params * seconds_per_flop_token
     saving = linear * (1.0 - 1.0 / FLOAT8_SPEEDUP[(s.float8, "peft" if frozen else "full")])
-    if frozen and not s.compile:
+    if frozen and not s.compile and s.base_dtype != "float8":  # its kept casts skip the weights' gradients
         saving -= 2.0 * m.layers * m.block_params * seconds_per_flop_token / FLOAT8_SPEEDUP[(s.float8, "peft")]
     return saving
 

@@ -230,10 +230,10 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     if t.float8:  # on the meta model, before sharding and compile (models/float8.py)
         from shardtune.models.float8 import convert_to_float8
 
-        eager_lora = built.adapters and not cfg.parallel.compile
+        eager_lora = built.adapters and not cfg.parallel.compile and cfg.peft.base_dtype != "float8"
         log_rank0(ctx.rank, f"float8 ({t.float8}): {convert_to_float8(built.model, t.float8)} linear layers" + (
             "; without parallel.compile the frozen layers' weight gradients are computed and dropped each step "
-            "(set parallel.compile=true)" if eager_lora else ""))
+            "(set parallel.compile=true, or peft.base_dtype=float8)" if eager_lora else ""))
     if hasattr(backend, "skip_nonfinite"):
         backend.skip_nonfinite = t.skip_nonfinite
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
