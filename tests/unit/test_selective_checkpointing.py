@@ -57,7 +57,9 @@ def test_checkpointing_gives_the_loss_and_gradients_of_none(mode):
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
 
 
-def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
+def _record_decisions(monkeypatch, key) -> Counter:
+    """Wrap the selective policy so that each decision it makes is counted under key(ctx, func, args, choice)
+    (None: not counted)."""
     decisions: Counter = Counter()
     original = prepare.selective_policy
 
@@ -66,13 +68,24 @@ def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
 
         def decide(ctx, func, *args, **kwargs):
             choice = policy(ctx, func, *args, **kwargs)
-            if func == torch.ops.aten.mm.default or "scaled_dot_product" in str(func):
-                decisions[("mm" if func == torch.ops.aten.mm.default else "attention", choice.name)] += 1
+            name = key(ctx, func, args, choice)
+            if name is not None:
+                decisions[name] += 1
             return choice
 
         return decide
 
     monkeypatch.setattr(prepare, "selective_policy", counting)
+    return decisions
+
+
+def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
+    def key(ctx, func, args, choice):
+        if func == torch.ops.aten.mm.default or "scaled_dot_product" in str(func):
+            return ("mm" if func == torch.ops.aten.mm.default else "attention", choice.name)
+        return None
+
+    decisions = _record_decisions(monkeypatch, key)
     _, _, layers = _loss_and_grads("selective")
     # Forward: 7 projections per block, q / v / gate / down saved, k / o / up recomputed; the attention saved.
     assert decisions == Counter({("mm", "MUST_SAVE"): 4 * layers, ("mm", "PREFER_RECOMPUTE"): 3 * layers,
@@ -84,22 +97,14 @@ def test_selective_saves_every_other_float8_matmul_too(monkeypatch):
     dispatch mode), so the policy sees and counts them as matmuls: the same 4 saved and 3 recomputed per block, and
     the loss of no checkpointing."""
     pytest.importorskip("torchao")
-    decisions: Counter = Counter()
-    original = prepare.selective_policy
 
-    def counting(counts):
-        policy = original(counts)
+    def key(ctx, func, args, choice):
+        if func not in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default) or ctx.is_recompute:
+            return None
+        floats8 = any("float8" in str(getattr(a, "_data", a).dtype) for a in args if hasattr(a, "dtype"))
+        return (func.__name__, floats8, choice.name)
 
-        def decide(ctx, func, *args, **kwargs):
-            choice = policy(ctx, func, *args, **kwargs)
-            if func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default) and not ctx.is_recompute:
-                floats8 = any("float8" in str(getattr(a, "_data", a).dtype) for a in args if hasattr(a, "dtype"))
-                decisions[(func.__name__, floats8, choice.name)] += 1
-            return choice
-
-        return decide
-
-    monkeypatch.setattr(prepare, "selective_policy", counting)
+    decisions = _record_decisions(monkeypatch, key)
     loss, _, layers = _loss_and_grads("selective", float8=True)
     assert decisions == Counter({("mm.default", True, "MUST_SAVE"): 4 * layers,
                                  ("mm.default", True, "PREFER_RECOMPUTE"): 3 * layers}), decisions
