@@ -23,7 +23,6 @@ from torch import nn
 
 from shardtune.errors import ShardtuneError
 
-RECIPES = ("tensorwise", "rowwise")
 EXCLUDED = ("lm_head", "embed_tokens")  # kept in the compute dtype
 
 

@@ -74,28 +74,36 @@ def summary_lines(plan: Plan) -> list[str]:
 
 
 def float8_hint(plan: Plan) -> str:
-    """The run priced with train.float8=tensorwise where it can run and is predicted 5% faster or more (it is
-    opt-in: float8 matmuls round differently from bf16's); with it on for LoRA and the base whole, the memory of
-    keeping the frozen layers as their float8 casts (peft.base_dtype=float8: the same numbers)."""
-    from dataclasses import replace
-
-    from shardtune.parallel import BACKENDS
-    from shardtune.plan.hardware import FLOAT8_GPUS
-    from shardtune.plan.search import price
-
+    """What float8 would change for the chosen run, priced (both opt-in): keeping LoRA's frozen float8 layers as
+    their casts where tensorwise is on (peft.base_dtype=float8: the same numbers, less memory), else turning
+    tensorwise on where it runs and is predicted 5% faster or more (float8 matmuls round differently from bf16's)."""
     c = plan.chosen()
     s = c.setting
     if s.float8 == "tensorwise" and s.peft == "lora" and s.base_dtype == "auto" and s.frozen_local:
-        kept = price(plan.shape, replace(s, base_dtype="float8"), plan.hardware, plan.result.capacity,
-                     plan.result.host_capacity)
+        kept = _priced(plan, s, base_dtype="float8")
         return (f"peft.base_dtype=float8: {kept.memory.total / GIB:.1f} GiB per GPU predicted (peak at "
                 f"{kept.memory.phase}) against {c.memory.total / GIB:.1f}; the frozen float8 layers cast once")
+    return _float8_speed_hint(plan, c)
+
+
+def _priced(plan: Plan, s: Any, **changes: Any) -> Candidate:
+    from dataclasses import replace
+
+    from shardtune.plan.search import price
+
+    return price(plan.shape, replace(s, **changes), plan.hardware, plan.result.capacity, plan.result.host_capacity)
+
+
+def _float8_speed_hint(plan: Plan, c: Candidate) -> str:
+    from shardtune.parallel import BACKENDS
+    from shardtune.plan.hardware import FLOAT8_GPUS
+
+    s = c.setting
     runs = "tensorwise" in BACKENDS[s.backend].supports.get("train.float8", ())  # the backend's own table
     if (plan.hardware.name not in FLOAT8_GPUS or not runs or s.float8 != "false" or s.precision != "bf16"
             or s.peft == "qlora" or s.tokens % 16):
         return ""
-    f8 = price(plan.shape, replace(s, float8="tensorwise"), plan.hardware, plan.result.capacity,
-               plan.result.host_capacity)
+    f8 = _priced(plan, s, float8="tensorwise")
     gain = f8.time.tokens_per_sec_per_gpu / c.time.tokens_per_sec_per_gpu
     if gain < 1.05:
         return ""
