@@ -140,8 +140,11 @@ def test_a_float8_lora_run_trains_like_bf16_lora_and_saves_its_adapter(tmp_path,
     (["peft.method=none", "train.float8=tensorwise"], "set peft.method=lora and train.float8=tensorwise"),
     (["peft.method=lora", "train.float8=tensorwise", "parallel.strategy=ddp"], "whole on each GPU"),
 ])
-def test_a_float8_base_is_refused_where_it_cannot_be_kept(overrides, message):
+def test_a_float8_base_is_refused_where_it_cannot_be_kept(overrides, message, cli):
     from shardtune.validate import check_combination
+
+    one_line_error(cli("validate", TINY, "--nproc", "1", "train.precision=bf16", "peft.base_dtype=float8",
+                       *overrides), message)
 
     cfg = load_config(TINY, ["train.precision=bf16", "peft.base_dtype=float8", *overrides])
     with pytest.raises(ShardtuneError, match=message):
