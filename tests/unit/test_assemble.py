@@ -44,3 +44,36 @@ def test_qlora_sizes_nf4_blocks_for_the_backends_parameter_shards(strategy, worl
     assert nf4
     for p in nf4.values():
         assert p.scaler_block_size == nf4_scaler_block_size(p.shape, shard_world)
+
+
+def test_float8_layers_go_in_on_meta_and_a_float8_base_is_kept_out_until_loaded():
+    """train.float8 converts the blocks' Linear layers (LoRA: the frozen base layers only) with the parameter
+    counts unchanged; peft.base_dtype: float8 takes those layers' weights out while the backend would load the
+    model, and load_kept puts each back as its float8 cast, with the source's values."""
+    pytest.importorskip("torchao")
+    from shardtune.assemble import load_kept
+
+    lora = PeftConfig(method="lora", r=4)
+    plain = assemble(ModelConfig(preset="tiny-llama"), lora, "bf16", HF, CPU, 1)
+    built = assemble(ModelConfig(preset="tiny-llama"), lora, "bf16", HF, CPU, 1, float8="tensorwise")
+    assert built.float8_layers == 7 * HF.num_hidden_layers and not built.kept
+    assert (built.params, built.trainable) == (plain.params, plain.trainable)
+    kept = assemble(ModelConfig(preset="tiny-llama"), PeftConfig(method="lora", r=4, base_dtype="float8"), "bf16",
+                    HF, CPU, 1, float8="tensorwise")
+    assert len(kept.kept) == kept.float8_layers and kept.params == plain.params
+    names = {name for name, _ in kept.model.named_parameters()}
+    assert all(name not in names for name, _, _ in kept.kept)  # the backend never sees them
+    assert load_kept(kept, kept.source, CPU) == kept.float8_layers
+    name, module, meta = kept.kept[0]
+    assert module.weight_float8_t.shape == meta.shape[::-1]
+    want = kept.source.rows(name, meta.shape, 0, meta.shape[0]).to(torch.bfloat16).float()
+    got = module.weight_float8_t.to_original_precision().t().float()
+    assert torch.allclose(got, want, rtol=0.07, atol=1e-3)  # float8 e4m3 keeps ~2 significant digits
+
+
+def test_a_float8_base_needs_float8_layers():
+    from shardtune.errors import ShardtuneError
+
+    with pytest.raises(ShardtuneError, match="found no frozen float8 layer"):
+        assemble(ModelConfig(preset="tiny-llama"), PeftConfig(method="lora", r=4, base_dtype="float8"), "bf16", HF,
+                 CPU, 1)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardtune import stop as signals
-from shardtune.assemble import BuiltModel, assemble
+from shardtune.assemble import BuiltModel, assemble, load_kept
 from shardtune.checkpoint.checkpointer import Checkpointer, check_shared_root
 from shardtune.checkpoint.formats import make_format
 from shardtune.checkpoint.hf_export import SAVE_DTYPES, save_adapter, save_hf_model
@@ -45,6 +45,7 @@ from shardtune.metrics.memory_snapshot import MemorySnapshot
 from shardtune.metrics.profile import StepProfiler
 from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
+from shardtune.models.liger_rules import liger_kernels_wanted, use_liger
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
@@ -219,19 +220,21 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     total_steps = t.max_steps or sampler.steps_per_epoch * t.epochs
 
     spec = BACKENDS[cfg.parallel.backend]
+    liger = use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type)
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
-                     spec.param_shards(cfg.parallel, ctx.world))
+                     spec.param_shards(cfg.parallel, ctx.world),
+                     liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile),
+                     float8=t.float8 or None)
     if built.adapters:  # checkpoints (hf/adapter_config.json) and the final adapter name a loadable base
         from shardtune.peft.lora import adapter_base
 
         built.model.peft_config["default"].base_model_name_or_path = adapter_base(cfg.model)[0]
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
-    _apply_liger(cfg, ctx, built, hf_config, backend)
-    if t.float8:  # on the meta model, before sharding and compile (models/float8.py)
-        from shardtune.models.float8 import convert_to_float8
-
-        eager_lora = built.adapters and not cfg.parallel.compile and cfg.peft.base_dtype != "float8"
-        log_rank0(ctx.rank, f"float8 ({t.float8}): {convert_to_float8(built.model, t.float8)} linear layers" + (
+    if liger:
+        _liger_loss(cfg, ctx, built, backend)
+    if t.float8:
+        eager_lora = built.adapters and not cfg.parallel.compile and not built.kept
+        log_rank0(ctx.rank, f"float8 ({t.float8}): {built.float8_layers} linear layers" + (
             "; without parallel.compile the frozen layers' weight gradients are computed and dropped each step "
             "(set parallel.compile=true, or peft.base_dtype=float8)" if eager_lora else ""))
     if hasattr(backend, "skip_nonfinite"):
@@ -239,10 +242,9 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
     # are not read. With adapters the checkpoint holds only them: the base is read again.
     weights = None if resume and not built.adapters else built.source
-    taken = _take_float8_base(cfg, built)
     backend.setup(built.model, built.blocks, weights, OptimizerFactory(cfg.optim, t.lr))
-    if taken:  # the frozen float8 layers, loaded one at a time and kept as their float8 casts
-        _load_float8_base(taken, weights, ctx)
+    if built.kept:  # the frozen float8 layers, loaded one at a time and kept as their float8 casts
+        _load_kept(built, weights, ctx)
     schedule = build_scheduler(backend.optimizer, cfg.optim, total_steps)
     dtype = SAVE_DTYPES[save_dtype(cfg)]
     ckpt = Checkpointer(cfg.checkpoint, root, ctx, lambda path: write_hf_dir(path, built, hf_config, tokenizer, dtype),
@@ -276,40 +278,21 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     return run
 
 
-def _take_float8_base(cfg: Config, built: BuiltModel) -> list[Any]:
-    """peft.base_dtype: float8: the frozen float8 layers' weights, out of the model while the backend loads it."""
-    if cfg.peft.base_dtype != "float8":
-        return []
-    from shardtune.models.float8 import take_frozen_weights
-
-    taken = take_frozen_weights(built.model)
-    if not taken:
-        raise ShardtuneError("peft.base_dtype: float8 found no frozen float8 layer to keep as its cast; set "
-                             "peft.base_dtype=auto")
-    return taken
-
-
-def _load_float8_base(taken: list[Any], weights: Any, ctx: DistContext) -> None:
-    from shardtune.models.float8 import load_frozen_weights
-
+def _load_kept(built: BuiltModel, weights: Any, ctx: DistContext) -> None:
     before = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
-    count = load_frozen_weights(taken, weights, ctx.device)
+    count = load_kept(built, weights, ctx.device)
     added = (torch.cuda.memory_allocated(ctx.device) - before) / 2**30 if ctx.device.type == "cuda" else 0.0
     log_rank0(ctx.rank, f"float8 base: {count} frozen layers kept as their float8 casts"
               + (f" ({added:.1f} GiB)" if added > 0 else ""))
 
 
-def _apply_liger(cfg: Config, ctx: DistContext, built: BuiltModel, hf_config: Any, backend: Backend) -> None:
-    """model.liger: Liger's kernels swapped into the meta model (before compile and sharding), and its fused
-    linear + cross-entropy as the loss where the backend computes it in the model's forward (FSDP2, DDP)."""
-    from shardtune.models.liger import apply_liger_kernels, install_fused_loss, liger_loss
-    from shardtune.models.liger_rules import chunk_tokens, head_adapted, liger_kernels_wanted, use_liger
+def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backend) -> None:
+    """model.liger (its kernels went in with the model: assemble): Liger's fused linear + cross-entropy as the loss
+    where the backend computes it in the model's forward (FSDP2, DDP), and the line that says what applies."""
+    from shardtune.models.liger import install_fused_loss, liger_loss
+    from shardtune.models.liger_rules import chunk_tokens, head_adapted
 
-    if not use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type):
-        return
     kernels = liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile)
-    if kernels:
-        apply_liger_kernels(built.base)
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
     fused = hasattr(backend, "fused_loss") and not adapted_head
     if fused:
