@@ -162,6 +162,16 @@ def test_deepspeed_collectives_are_counted(results):
     params = two["ddp:ds"]["numel"]["params"] * 4  # bytes (ZeRO-3 partitions leave numel 0, stage 0 does not)
     ddp = two["ddp:ds"]["comm"]["bus_bytes_per_step"]
     assert 0 <= ddp["all_reduce"] - 2 * params / 2 < 64  # every gradient once per step, + bookkeeping scalars
+    z1, z2 = two["zero1:ds"]["comm"], two["zero2:ds"]["comm"]
+    assert 0 <= z1["bus_bytes_per_step"]["all_reduce"] - 2 * params / 2 < 64  # once a step, at its boundary
+    # Stage 2 reduces each micro-batch's gradients; one reduce bucket holds slices of both ranks' partitions, so
+    # DeepSpeed all-reduces it whole (use_multi_rank_bucket_allreduce), not a reduce-scatter.
+    assert 0 <= z2["bus_bytes_per_step"]["all_reduce"] - 2 * (2 * params / 2) < 64
+    for z in (z1, z2):  # the updated partitions, gathered once a step
+        assert z["bus_bytes_per_step"]["all_gather"] == params / 2
+        assert set(z["bus_bytes_per_step"]) == set(z["predicted_bus_bytes_per_step"])  # the planner's kinds
+        for kind, predicted in z["predicted_bus_bytes_per_step"].items():
+            assert 0 <= z["bus_bytes_per_step"][kind] - predicted < 64, kind
     z3 = two["zero3:ds"]["comm"]
     assert z3["bus_bytes_per_step"]["reduce_scatter"] == params / 2 * 2  # fp32 gradients, each micro-batch
     # Parameters under stage3_param_persistence_threshold stay whole on every rank: gathered less than the

@@ -225,13 +225,16 @@ class DeepSpeedRules:
         return DEEPSPEED_EFF[s.strategy]
 
     def comm_bytes(self, m: ModelShape, s: Setting, gathered: float, last_block: float) -> dict[str, float]:
-        """Stages 0-1 all-reduce the gradients, stage 2 reduce-scatters them, and stages 1-2 all-gather the
-        updated parameters once a step; stage 3 gathers the parameters twice per micro-batch."""
+        """Stages 0-1 all-reduce the gradients once a step; stage 2 reduces each micro-batch's gradients bucket by
+        bucket (_zero2_reduce); stage 3 reduce-scatters them; stages 1-2 all-gather the updated parameters once a
+        step; stage 3 gathers the parameters twice per micro-batch."""
         w, p = s.world, s.compute_bytes
         trainable = m.params if s.peft == "none" else m.lora_params
         out: dict[str, float] = {}
         if s.strategy in ("ddp", "zero1"):
             out["all_reduce"] = 2 * trainable * p * (w - 1) / w
+        elif s.strategy == "zero2":
+            out.update({kind: n * p * s.grad_accum for kind, n in _zero2_reduce(trainable, w).items() if n})
         else:
             out["reduce_scatter"] = trainable * p * (w - 1) / w * s.grad_accum
         if s.strategy in ("zero1", "zero2"):
@@ -242,6 +245,20 @@ class DeepSpeedRules:
 
     def copy_bytes(self, m: ModelShape, s: Setting) -> float:
         return 0.0  # its gathers write the parameters in place
+
+
+def _zero2_reduce(elements: float, w: int) -> dict[str, float]:
+    """Bus elements one micro-batch's gradient reduction moves under DeepSpeed ZeRO-2 (stage_1_and_2.py
+    average_tensor): the gradients fill reduce buckets of reduce_bucket_size elements in order; a bucket that holds
+    slices of several ranks' partitions is all-reduced whole (use_multi_rank_bucket_allreduce, DeepSpeed's
+    default), each other bucket is reduced to the rank that owns it. Each of the w - 1 partition boundaries falls
+    in one bucket, so up to (w - 1) buckets are all-reduced (all of them when one bucket holds everything). On 2
+    gloo processes this is the byte count the comm counter sees (tests/dist/test_deepspeed.py): one all-reduce
+    where the planner once assumed a reduce-scatter of half the bytes."""
+    if w <= 1:
+        return {}
+    spanning = min(elements, (w - 1) * DS_REDUCE_BUCKET)
+    return {"all_reduce": 2 * spanning * (w - 1) / w, "reduce": elements - spanning}
 
 
 RULES: dict[str, Any] = {"fsdp2": Fsdp2Rules(), "deepspeed": DeepSpeedRules()}
