@@ -291,9 +291,11 @@ def _worker(config: str, overrides: list[str], *, overwrite: bool = False, debug
         check_worker(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         code = run_training(cfg, overwrite=overwrite).summary["exit_code"]  # 128 + N: stopped at signal N
     except ShardtuneError as err:
-        # Every rank usually hits the same input error. torchrun stops all workers when the first
-        # one exits, so the other ranks give rank 0 time to print the one line and exit first.
-        if os.environ.get("RANK", "0") != "0":
+        # Every rank usually hits the same input error. torchrun stops all workers of a node when the first one
+        # exits, so the node's other ranks give its first rank time to print the one line and exit first. Each
+        # node's first rank says it: another node's log would otherwise show only its launcher's rendezvous error
+        # (node 0's agent, which hosts the rendezvous, has gone by then).
+        if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) != "0":
             time.sleep(5)
         if debug:
             traceback.print_exc()

@@ -521,8 +521,9 @@ def test_two_nodes_match_one_node_a_dead_node_is_one_line_and_the_checkpoint_res
     with the data both nodes tokenized at once into one shared cache: it holds one complete store per data set
     and no half-written one.
     When node 1 dies, node 0 stops within a bounded time with exit code 2 and one line naming the newest complete
-    checkpoint; that checkpoint (each rank checksummed its own files) resumes on 1 process (grad_accum 4) and ends
-    on the reference's trajectory and final weights, and exports to a directory transformers loads."""
+    checkpoint; that checkpoint (each rank checksummed its own files) resumes on 1 process (grad_accum 4) and on 2
+    (zero3, grad_accum 2: the reference's own setting), each ending on the reference's trajectory and final weights,
+    and exports to a directory transformers loads."""
     from transformers import AutoModelForCausalLM
 
     run, code, err, took = two_nodes
@@ -560,6 +561,57 @@ def test_two_nodes_match_one_node_a_dead_node_is_one_line_and_the_checkpoint_res
     assert torch.isfinite(AutoModelForCausalLM.from_pretrained(exported)(input_ids=ids).logits).all()
     final, ref = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict() for d in (out, reference_run))
     assert max((final[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
+    # The 4-rank checkpoint on 2 ranks: the steps after it (at most 3, each the reference's 16 sequences) are new.
+    two = tmp_path / "run2"
+    shutil.copytree(run, two)
+    proc = train(two, cache, "--resume", nproc=2, strategy="zero3", accum=2)
+    assert f"resumed from {two / 'checkpoints' / newest.name}" in proc.stderr
+    resumed = losses(two)
+    assert step < STEPS and set(range(step + 1, STEPS + 1)) <= set(resumed)
+    assert max(abs(resumed[s] - reference[s]) for s in range(step + 1, STEPS + 1)) <= 1e-5
+    final = AutoModelForCausalLM.from_pretrained(two / "model").state_dict()
+    assert max((final[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
+
+
+def test_a_checkpoint_dir_not_every_node_sees_is_refused_at_the_start(tmp_path, cache):
+    """Two "nodes" of 1 process each, started in folders of their own with the same `--output-dir run`: one config
+    string, a folder per node, as with a node-local disk. Node 1's first rank does not see rank 0's marker, so the
+    run stops before the model is built: node 0's launcher exits 2 with one line naming the folder and the fix, and
+    nothing is trained or saved on either node (max_steps 2 keeps a run the check let through short)."""
+    port = _free_port()
+    homes = [tmp_path / f"node{n}" for n in (0, 1)]
+    procs, logs = [], [tmp_path / f"node{n}.txt" for n in (0, 1)]
+    try:
+        for n, home in enumerate(homes):
+            home.mkdir()
+            cmd = [sys.executable, "-m", "shardtune", "train", TINY, MICRO, "--nproc", "1", "--nnodes", "2",
+                   "--node-rank", str(n), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "not-shared",
+                   "--output-dir", "run", "train.max_steps=2", "log.progress=false", f"data.cache_dir={cache}",
+                   "log.report=false"]
+            with logs[n].open("w") as err:
+                procs.append(subprocess.Popen(cmd, cwd=home, env=_env(), stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.DEVNULL, stderr=err))
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _reap(p, descendants(p.pid))
+    errs = [log.read_text() for log in logs]
+    # One `error:` line per node, no traceback (other lines: a fresh interpreter's import warnings, not the run's).
+    errors = [[line for line in err.splitlines() if line.startswith("error:")] for err in errs]
+    for n in (0, 1):
+        assert codes[n] == 2 and len(errors[n]) == 1 and "Traceback" not in errs[n], (n, codes[n], errs[n][-3000:])
+    # Each node's line is the refusal (node 1's first rank says it too, rather than its launcher's rendezvous
+    # error), naming rank 0's folder, absolute, and on node 1 its own.
+    for n in (0, 1):
+        here = f" (this node's is {homes[1] / 'run' / 'checkpoints'})" if n else ""
+        assert errors[n][0] == (f"error: checkpoint folder {homes[0] / 'run' / 'checkpoints'}{here} is not shared by "
+                                "every node: rank 1's node does not see the file rank 0 wrote there (1 node(s) in "
+                                "all); put train.output_dir (or checkpoint.dir) on storage every node mounts at the "
+                                "same path"), (n, errs[n][-3000:])
+    # Nothing trained: no metrics, model or checkpoint; rank 0's marker removed (the run-dir lock may stay).
+    assert {p.name for p in (homes[0] / "run").rglob("*")} - {".lock"} == {"checkpoints"}
+    assert not (homes[1] / "run").exists()  # node 1's rank only looked
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

@@ -270,7 +270,7 @@ def check_shared_root(root: Path, ctx: DistContext, local_world: int) -> None:
 
     if not dist.is_initialized() or ctx.world <= local_world:
         return
-    token = [uuid.uuid4().hex if ctx.is_main else ""]
+    token = [uuid.uuid4().hex if ctx.is_main else "", str(root.absolute()) if ctx.is_main else ""]
     marker_problem = ""
     if ctx.is_main:
         try:
@@ -293,6 +293,7 @@ def check_shared_root(root: Path, ctx: DistContext, local_world: int) -> None:
     if marker_problem:
         raise ShardtuneError(f"checkpoint folder {root}: cannot write there ({marker_problem})")
     if blind:
-        raise ShardtuneError(f"checkpoint folder {root} is not shared by every node: rank {blind[0]}'s node does not "
-                             f"see the file rank 0 wrote there ({len(blind)} node(s) in all); put train.output_dir "
-                             "(or checkpoint.dir) on storage every node mounts at the same path")
+        here = "" if str(root.absolute()) == token[1] else f" (this node's is {root.absolute()})"
+        raise ShardtuneError(f"checkpoint folder {token[1]}{here} is not shared by every node: rank {blind[0]}'s node "
+                             f"does not see the file rank 0 wrote there ({len(blind)} node(s) in all); put "
+                             "train.output_dir (or checkpoint.dir) on storage every node mounts at the same path")
