@@ -383,7 +383,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from shardtune.validate import check_combination
 
         # Without --emit, as a planner's candidate: no backend package import (`import deepspeed` is ~5 s).
-        check_combination(_concrete(cfg), world, candidate=args.emit is None)
+        check_combination(_concrete(cfg), world, candidate=args.emit is None, nnodes=args.nnodes)
         if args.emit is None and cfg.deepspeed:
             print("note: the deepspeed: section is checked by DeepSpeed's own parser in `shardtune validate` and at "
                   "launch (plan leaves the deepspeed import out)", file=sys.stderr)
@@ -407,7 +407,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardtune.plan.report import summary_lines, table
 
     chosen = _concrete(cfg, plan)
-    for key, value in plan_summary(chosen, hf_config, world):
+    for key, value in plan_summary(chosen, hf_config, world, args.nnodes):
         print(f"{key:<10} {value}")
     for line in [*summary_lines(plan), "", *table(plan, show_all=args.all)]:
         print(line)
@@ -440,21 +440,22 @@ def _concrete(cfg: Any, plan: Any = None) -> Any:
     return config_for_auto(cfg, setting_from_config(cfg, 1, 1), auto)
 
 
-def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
-    """What a run of this config does, as (item, description) rows; the backend describes its engine.
-    (The planner with memory estimates grows here.)"""
+def plan_summary(cfg: Any, hf_config: Any, world: int, nnodes: int = 1) -> list[tuple[str, str]]:
+    """What a run of this config does on `world` processes per node of `nnodes` nodes, as (item, description)
+    rows; the backend describes its engine. (The planner with memory estimates grows here.)"""
     from shardtune.parallel import describe
 
     p, t = cfg.parallel, cfg.train
     offload = {"none": "none", "optimizer": "optimizer states", "params": "parameters and optimizer states"}[p.offload]
     if p.offload != "none":
         offload += f" to NVMe at {p.offload_nvme_path}" if p.offload_nvme_path else " to CPU memory"
-    global_batch = t.micro_batch_size * t.grad_accum * world
+    processes = world * nnodes
+    global_batch = t.micro_batch_size * t.grad_accum * processes
     return [
         ("model", f"{hf_config.model_type} ({cfg.model.path or 'preset ' + str(cfg.model.preset)}), "
                   f"decoder block {block_class(hf_config, cfg.model.attn_implementation)}"),
         ("backend", p.backend),
-        ("strategy", f"{p.strategy}: {describe(cfg, world)}"),
+        ("strategy", f"{p.strategy}: {describe(cfg, world, nnodes=nnodes)}"),
         ("offload", offload),
         ("precision", f"{t.precision}" + (f", float8 matmuls ({t.float8})" if t.float8 else "")
                       + f", activation checkpointing {p.activation_checkpointing}"
@@ -462,9 +463,9 @@ def plan_summary(cfg: Any, hf_config: Any, world: int) -> list[tuple[str, str]]:
                       + (", compile" if p.compile else "")
                       + (f" ({p.compile_mode})" if p.compile and p.compile_mode != "default" else "")
                       + (f" (Inductor options {p.compile_options})" if p.compile and p.compile_options else "")),
-        ("processes", f"{world} per node"),
+        ("processes", f"{world} per node" + (f" x {nnodes} nodes" if nnodes > 1 else "")),
         ("batch", f"{global_batch} sequences x {t.seq_len} tokens per step ({t.micro_batch_size} per process x "
-                  f"{t.grad_accum} accumulation x {world} processes)"),
+                  f"{t.grad_accum} accumulation x {processes} processes)"),
     ]
 
 
@@ -522,8 +523,9 @@ def _cluster_job(args: argparse.Namespace, output_dir: str | None = None) -> Any
     nodes, gpus = _count("--nodes", args.nodes), _count("--gpus-per-node", args.gpus_per_node)
     cfg = load_config(args.config, list(args.overrides))  # a bad key fails here, not on every node of the job
     out = output_dir or str(Path(getattr(args, "output_dir", None) or cfg.train.output_dir).resolve())
+    cache = str(Path(cfg.data.cache_dir).expanduser().resolve()) if cfg.data.cache_dir else None
     return Job(config=str(Path(args.config).resolve()), output_dir=out, nodes=nodes, gpus_per_node=gpus,
-               overrides=list(args.overrides), name=f"shardtune-{Path(out).name}".lower())
+               overrides=list(args.overrides), name=f"shardtune-{Path(out).name}".lower(), cache_dir=cache)
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
@@ -531,7 +533,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     from shardtune.cluster import sbatch_script
 
     job = _cluster_job(args)
-    script = sbatch_script(job, sys.executable, partition=args.partition, time=args.time, account=args.account)
+    script = sbatch_script(job, sys.executable, partition=args.partition, time=args.time, account=args.account,
+                           environ=os.environ)
     import shutil
 
     if args.submit and shutil.which("sbatch") is None:
@@ -564,10 +567,11 @@ def _emit_pytorchjob(args: argparse.Namespace) -> int:
 
     if not args.image:
         raise ShardtuneError("--emit pytorchjob: --image missing; give the container image with shardtune installed")
-    # Inside the pods the run dir and config live on the output volume, mounted at /shardtune.
+    # Inside the pods the run dir, config and tokenization cache live on the output volume, mounted at /shardtune.
     job = _cluster_job(args)
     job = type(job)(config=f"/shardtune/{Path(args.config).name}", output_dir=f"/shardtune/{Path(job.output_dir).name}",
-                    nodes=job.nodes, gpus_per_node=job.gpus_per_node, overrides=job.overrides, name=job.name)
+                    nodes=job.nodes, gpus_per_node=job.gpus_per_node, overrides=job.overrides, name=job.name,
+                    cache_dir=None)
     print(yaml.safe_dump(pytorchjob(job, args.image), sort_keys=False), end="")
     print(f"note: copy {args.config} to the volume claim {job.name}-output (ReadWriteMany) as "
           f"{Path(args.config).name}; the run dir is {job.output_dir} there", file=sys.stderr)

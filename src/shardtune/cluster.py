@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,13 @@ NODE_ENV = {
     "PYTHONUNBUFFERED": "1",  # each node's lines reach the job log as they are printed
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a collective that fails (a dead node) ends the job, never hangs it
 }
+# The tokenization cache (SHARDTUNE_CACHE) under the run dir when the config names none (data.cache_dir): the run
+# dir is on storage every node sees, so the first node's launcher tokenizes and the others wait for it (its lock).
+CACHE_SUBDIR = "data-cache"
+# Variables of the writing environment that reach every node (the network NCCL was set up for there); never these:
+SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY")
+SECRET_PREFIXES = ("AWS_",)
+SECRET_SUFFIXES = ("_KEY", "_TOKEN", "_SECRET")
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # sbatch's forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 
 
@@ -39,6 +47,11 @@ class Job:
     gpus_per_node: int
     overrides: list[str] = field(default_factory=list)
     name: str = "shardtune"
+    cache_dir: str | None = None  # the config's data.cache_dir; None: under output_dir
+
+    def cache(self) -> str:
+        """SHARDTUNE_CACHE for every node: data.cache_dir, else OUTPUT_DIR/data-cache (storage all nodes share)."""
+        return self.cache_dir or f"{self.output_dir}/{CACHE_SUBDIR}"
 
     def check(self) -> None:
         if self.nodes < 1:
@@ -52,12 +65,24 @@ class Job:
                 "--nproc", str(self.gpus_per_node), "--nnodes", str(self.nodes), "--resume", "auto"]
 
 
+def is_secret(name: str) -> bool:
+    """A variable that must never be written into a job file (tokens, keys, cloud credentials)."""
+    upper = name.upper()
+    return upper in SECRET_NAMES or upper.startswith(SECRET_PREFIXES) or upper.endswith(SECRET_SUFFIXES)
+
+
+def nccl_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The NCCL_* variables of `environ` (names and values, sorted), without secrets."""
+    return {k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_") and not is_secret(k)}
+
+
 def sbatch_script(job: Job, python: str, *, partition: str | None = None, time: str | None = None,
-                  account: str | None = None) -> str:
+                  account: str | None = None, environ: Mapping[str, str] | None = None) -> str:
     """An sbatch script: one `shardtune train` per node through srun, rendezvous on the allocation's first node.
 
     SHARDTUNE_CMD (environment) replaces the command that starts shardtune (default: `python -m shardtune` with
-    the interpreter that wrote the script), and SHARDTUNE_RDZV_PORT the rendezvous port.
+    the interpreter that wrote the script), and SHARDTUNE_RDZV_PORT the rendezvous port. The NCCL_* variables of
+    `environ` (the environment that writes the script) are exported on every node.
     """
     job.check()
     if time is not None and not _TIME.match(time):
@@ -80,7 +105,10 @@ def sbatch_script(job: Job, python: str, *, partition: str | None = None, time: 
         "set -uo pipefail",
         "",
         *(f"export {k}={q(v)}" for k, v in NODE_ENV.items()),
+        "# The tokenization cache, on storage every node sees: one node tokenizes, the others wait for it.",
+        f"export SHARDTUNE_CACHE={q(job.cache())}",
         "# Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA here if NCCL picks the wrong network interface.",
+        *(f"export {k}={q(v)}" for k, v in nccl_env(environ or {}).items()),
         "",
         f"read -ra SHARDTUNE <<< \"${{SHARDTUNE_CMD:-{q(python)} -m shardtune}}\"",
         'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -120,7 +148,7 @@ def pytorchjob(job: Job, image: str, *, python: str = "python") -> dict[str, Any
         "name": "pytorch",  # the training operator finds the training container by this name
         "image": image,
         "command": command,
-        "env": [{"name": k, "value": v} for k, v in NODE_ENV.items()],
+        "env": [{"name": k, "value": v} for k, v in {**NODE_ENV, "SHARDTUNE_CACHE": job.cache()}.items()],
         "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node},
                       "requests": {"nvidia.com/gpu": job.gpus_per_node}},
         "volumeMounts": [{"name": "output", "mountPath": mount}, {"name": "dshm", "mountPath": "/dev/shm"}],

@@ -46,7 +46,7 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
         from shardtune.plan import resolve_auto
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
-    check_combination(cfg, world, device=device_type())
+    check_combination(cfg, world, device=device_type(), nnodes=nnodes)
     from shardtune.models.liger_rules import check_liger, head_adapted
 
     check_liger(cfg.model.liger, device_type(), hf_config.model_type,
@@ -80,9 +80,9 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
         t = cfg.train
         data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=True)
-        StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world, 0, t.seed)
+        StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world * nnodes, 0, t.seed)
         return cfg
-    _report(cfg, hf_config, tokenizer, world, plan)
+    _report(cfg, hf_config, tokenizer, world, plan, nnodes=nnodes)
     return cfg
 
 
@@ -156,12 +156,13 @@ def check_weight_files(model_dir: Path) -> None:
 
 
 def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None,
-                      candidate: bool = False) -> None:
+                      candidate: bool = False, nnodes: int = 1) -> None:
     """Settings that cannot work together (parallel.check_combination), refused before any process starts.
-    `candidate`: without importing an installed backend package (`plan`)."""
+    `world`: processes per node, on `nnodes` nodes. `candidate`: without importing an installed backend package
+    (`plan`)."""
     from shardtune.parallel import check_combination as check
 
-    check(cfg, world, device=device, candidate=candidate)
+    check(cfg, world, device=device, candidate=candidate, nnodes=nnodes)
 
 
 def check_worker(cfg: Config, world: int) -> None:
@@ -238,7 +239,8 @@ def check_model_fits(path: Path, cfg: Config) -> None:
                                  f"{list(current[name])} here; {fix}")
 
 
-def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any = None) -> None:
+def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any = None, *, nnodes: int = 1) -> None:
+    """What validate found; `world`: processes per node, on `nnodes` nodes."""
     from rich.console import Console
     from rich.table import Table
 
@@ -248,7 +250,7 @@ def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any =
 
     t = cfg.train
     data = build_data(cfg.data, tokenizer, t.seq_len, t.seed, builder=True)
-    sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world, 0, t.seed)
+    sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum, world * nnodes, 0, t.seed)
     steps = t.max_steps or sampler.steps_per_epoch * t.epochs
     n_params = sum(p.numel() for p in build_on_meta(hf_config).parameters())
     console = Console()
@@ -264,13 +266,14 @@ def _report(cfg: Config, hf_config: Any, tokenizer: Any, world: int, plan: Any =
     rows = [
         ("model", f"{hf_config.model_type}, {n_params / 1e6:,.1f}M parameters "
                   f"({cfg.model.path or 'preset ' + str(cfg.model.preset)})"),
-        ("strategy", f"{cfg.parallel.strategy} ({cfg.parallel.backend}) on {world} process(es) per node, "
+        ("strategy", f"{cfg.parallel.strategy} ({cfg.parallel.backend}) on {world} process(es) per node"
+                     + (f" x {nnodes} nodes" if nnodes > 1 else "") + ", "
                      f"{t.precision}, activation checkpointing {cfg.parallel.activation_checkpointing}"
                      + (f", offload {cfg.parallel.offload}" if cfg.parallel.offload != "none" else "")),
         ("data", f"{data.stats['train_examples']:,} train / {data.stats['eval_examples']:,} eval examples"
                  + (f", packed into {len(data.train):,} rows" if data.packed else "")),
         ("batch", f"{sampler.global_batch} sequences x {t.seq_len} tokens per step "
-                  f"({t.micro_batch_size} per process x {t.grad_accum} accumulation x {world} processes)"),
+                  f"({t.micro_batch_size} per process x {t.grad_accum} accumulation x {world * nnodes} processes)"),
         ("steps", f"{steps} ({sampler.steps_per_epoch} per epoch)"),
         ("output", t.output_dir),
     ]

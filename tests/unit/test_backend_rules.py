@@ -12,6 +12,7 @@ from shardtune.checkpoint.layout import finalize
 from shardtune.config import Config, config_from_dict
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import BACKENDS, describe
+from shardtune.parallel.fsdp2 import hsdp_shard_size
 from shardtune.parallel.spec import SUPPORT_KEYS
 from shardtune.validate import check_combination, check_resume
 
@@ -84,6 +85,60 @@ def test_describe_comes_from_the_backend():
     assert describe(_cfg("parallel.strategy=ddp"), 2) == "torch DDP (replicated)"
     assert "reshard_after_forward=False" in describe(_cfg("parallel.strategy=zero2"), 2)
     assert "(replicate 2, shard 2)" in describe(_cfg("parallel.strategy=hsdp", "parallel.shard_size=2"), 4)
+
+
+@pytest.mark.parametrize("world, per_node", [(4, 2), (16, 8)])
+def test_hsdp_auto_group_is_the_processes_of_one_node(world, per_node):
+    assert hsdp_shard_size(_cfg("parallel.strategy=hsdp").parallel, world, per_node) == per_node
+    assert f"(replicate {world // per_node}, shard {per_node})" in describe(_cfg("parallel.strategy=hsdp"), per_node,
+                                                                           nnodes=world // per_node)
+
+
+def test_hsdp_group_is_checked_against_the_processes_of_every_node():
+    """shard_size 4 on 2 nodes of 2 processes: one group across both nodes; on one node of 2 it cannot be."""
+    spanning = _cfg("parallel.strategy=hsdp", "parallel.shard_size=4")
+    check_combination(spanning, 2, nnodes=2)
+    assert "(replicate 1, shard 4)" in describe(spanning, 2, nnodes=2)
+    with pytest.raises(ShardtuneError, match="shard_size: 4 does not divide the 2 processes"):
+        check_combination(spanning, 2)
+    for size, nnodes in (("3", 2), ("8", 2), ("4", 3)):
+        with pytest.raises(ShardtuneError) as info:
+            check_combination(_cfg("parallel.strategy=hsdp", f"parallel.shard_size={size}"), 2, nnodes=nnodes)
+        assert str(info.value).startswith(f"parallel.shard_size: {size} does not divide the {2 * nnodes} processes")
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("shard_size, mesh", [("auto", (2, 2)), ("4", (1, 4)), ("2", (2, 2))])
+def test_engine_mesh_takes_the_group_over_every_node(monkeypatch, shard_size, mesh):
+    """The run's mesh (fsdp2_engine) from the job's 4 processes, 2 per node (LOCAL_WORLD_SIZE): what validate
+    accepted for 2 nodes is what the engine builds."""
+    from types import SimpleNamespace
+
+    from shardtune.parallel import fsdp2_engine
+
+    monkeypatch.setattr(fsdp2_engine, "init_device_mesh", lambda device, shape, mesh_dim_names: shape)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = _cfg("parallel.strategy=hsdp", f"parallel.shard_size={shard_size}")
+    check_combination(cfg, 2, nnodes=2)
+    engine = SimpleNamespace(parallel=cfg.parallel, ctx=SimpleNamespace(world=4, device=SimpleNamespace(type="cpu")))
+    assert fsdp2_engine.FSDP2Backend._mesh(engine) == mesh
+
+
+def test_a_backend_checks_the_whole_job_not_one_node():
+    """One process on each of 2 nodes is 2 processes: FSDP2 shards the frozen base there (shard_frozen auto), so a
+    float8 base that must stay whole is refused as on one node of 2; DeepSpeed's batch is built for both nodes."""
+    float8_base = _cfg("train.precision=bf16", "train.float8=tensorwise", "peft.method=lora", "peft.base_dtype=float8",
+                       "parallel.strategy=zero3")
+    check_combination(float8_base, 1)
+    for world, nnodes in ((2, 1), (1, 2)):
+        with pytest.raises(ShardtuneError, match=r"peft\.base_dtype: float8"):
+            check_combination(float8_base, world, nnodes=nnodes)
+    pytest.importorskip("deepspeed")
+    ds = _cfg("parallel.backend=deepspeed", "parallel.strategy=zero2", "train.micro_batch_size=2", "train.grad_accum=3",
+              "deepspeed.train_batch_size=12")  # 2 x 3 x 2 processes
+    check_combination(ds, 1, nnodes=2)
+    with pytest.raises(ShardtuneError, match="train_batch_size"):
+        check_combination(ds, 1)
 
 
 def _checkpoint(root: Path, fmt: str, world: int) -> Path:

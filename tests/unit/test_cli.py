@@ -340,6 +340,28 @@ def test_plan_hsdp_shard_size_must_divide_the_processes(cli):
     assert "parallel.shard_size: 3 does not divide the 4 processes" in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_hsdp_group_may_span_nodes(cli, command):
+    """parallel.shard_size divides the job's processes (2 nodes x 2 = 4), not one node's 2."""
+    proc = cli(command, TINY, "parallel.strategy=hsdp", "parallel.shard_size=4", "--nproc", "2", "--nnodes", "2")
+    assert proc.returncode == 0, proc.stderr
+    if command == "plan":
+        assert "(replicate 1, shard 4) mesh" in proc.stdout and "2 per node x 2 nodes" in proc.stdout, proc.stdout
+        assert "x 4 processes)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_hsdp_group_that_divides_neither_count_is_one_line(cli, command):
+    _one_line_error(cli(command, TINY, "parallel.strategy=hsdp", "parallel.shard_size=3", "--nproc", "2", "--nnodes",
+                        "2"), "parallel.shard_size: 3 does not divide the 4 processes", "choose a divisor of 4")
+
+
+def test_plan_hsdp_auto_group_is_one_node(cli):
+    proc = cli("plan", TINY, "parallel.strategy=hsdp", "--nproc", "2", "--nnodes", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "(replicate 2, shard 2) mesh" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("command, method", [("train", "lora"), ("validate", "qlora")])
 def test_missing_peft_is_caught_before_any_process_starts(tmp_path, command, method):
     """peft made unimportable for the whole process (a sitecustomize shim, as if it were not installed)."""

@@ -41,8 +41,9 @@ case "$1 $2" in
 esac
 """
 RECORDER = """#!/bin/bash
-# Stands in for `python -m shardtune`: records each node's arguments, exits $FAKE_EXIT.
+# Stands in for `python -m shardtune`: records each node's arguments and its NCCL / cache variables, exits $FAKE_EXIT.
 printf '%s\\n' "$@" > "$FAKE_LOG/node$SLURM_NODEID.args"
+env | grep -E '^(NCCL_|SHARDTUNE_CACHE=)' | sort > "$FAKE_LOG/node$SLURM_NODEID.env"
 exit "${FAKE_EXIT:-0}"
 """
 
@@ -68,7 +69,8 @@ def test_sbatch_script_lines(cli, tmp_path):
     subprocess.run(["bash", "-n", str(path)], check=True)
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=2",
                  "#SBATCH --partition=gpu", "#SBATCH --time=1:00:00", "#SBATCH --account=proj", "#SBATCH --requeue",
-                 "#SBATCH --signal=TERM@120", "export HF_HUB_OFFLINE=1", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1"]:
+                 "#SBATCH --signal=TERM@120", "export HF_HUB_OFFLINE=1", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+                 f"export SHARDTUNE_CACHE={shlex.quote(str(tmp_path / 'run' / 'data-cache'))}"]:
         assert line + "\n" in text, line
     srun = text[text.index("\nsrun "):text.index("SRUN_PID=")]
     assert '--ntasks-per-node=1' in srun and '--node-rank "$SLURM_NODEID"' in srun
@@ -80,11 +82,38 @@ def test_sbatch_script_lines(cli, tmp_path):
         assert secret not in text
 
 
+SECRETS = {"HF_TOKEN": "hf_s3cret", "WANDB_API_KEY": "wandb_s3cret", "AWS_SECRET_ACCESS_KEY": "aws_s3cret",
+           "NCCL_PLUGIN_TOKEN": "nccl_tok_s3cret", "NCCL_IB_SECRET": "nccl_ib_s3cret"}
+
+
+def test_sbatch_script_carries_nccl_settings_and_no_secrets(cli, tmp_path, monkeypatch):
+    """The NCCL_* variables of the shell that writes the script reach every node, values quoted; tokens and keys
+    (also an NCCL_*_TOKEN / _SECRET) never appear in the file."""
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0 mlx5_1")
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    text = _script(cli, tmp_path).read_text()
+    assert "export NCCL_SOCKET_IFNAME=ib0\n" in text and "export NCCL_IB_HCA='mlx5_0 mlx5_1'\n" in text
+    for name, value in SECRETS.items():
+        assert name not in text and value not in text, name
+
+
+def test_sbatch_script_cache_is_the_configs_cache_dir(cli, tmp_path):
+    cache = tmp_path / "shared" / "tok cache"
+    text = _script(cli, tmp_path, f"data.cache_dir={cache}").read_text()
+    assert f"export SHARDTUNE_CACHE={shlex.quote(str(cache))}\n" in text
+    assert str(tmp_path / "run" / "data-cache") not in text
+
+
 @pytest.mark.parametrize("exit_code, requeued", [(0, False), (143, True)])
-def test_sbatch_script_runs_one_launcher_per_node(cli, tmp_path, exit_code, requeued):
+def test_sbatch_script_runs_one_launcher_per_node(cli, tmp_path, monkeypatch, exit_code, requeued):
     """The script under bash with a fake srun: every node gets the same job, its own SLURM_NODEID as node rank,
     the first node of the allocation as rendezvous, the job id as rendezvous id; 143 (stopped with a checkpoint
     by the SIGTERM Slurm sends before the time limit) requeues the job, and the job's exit code is the nodes'."""
+    for name in [k for k in os.environ if k.startswith("NCCL_")]:  # this machine's own: not part of the test
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     path = _script(cli, tmp_path)
     bin_dir, log = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir()
@@ -92,7 +121,8 @@ def test_sbatch_script_runs_one_launcher_per_node(cli, tmp_path, exit_code, requ
     _executable(bin_dir / "srun", FAKE_SRUN)
     _executable(bin_dir / "scontrol", FAKE_SCONTROL)
     recorder = _executable(tmp_path / "record", RECORDER)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+    outside = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_") and k != "SHARDTUNE_CACHE"}
+    env = {**outside, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[01-02]", "SHARDTUNE_CMD": shlex.quote(str(recorder)),
            "SHARDTUNE_RDZV_PORT": "29611", "FAKE_LOG": str(log), "FAKE_EXIT": str(exit_code)}
     proc = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
@@ -105,6 +135,9 @@ def test_sbatch_script_runs_one_launcher_per_node(cli, tmp_path, exit_code, requ
         assert pairs["--nnodes"] == "2" and pairs["--nproc"] == "2" and pairs["--resume"] == "auto"
         assert pairs["--rdzv-endpoint"] == "127.0.0.1:29611" and pairs["--rdzv-id"] == "4242"
         assert pairs["--output-dir"] == str(tmp_path / "run")
+        # Exported by the script itself: the shell that ran it had neither.
+        assert (log / f"node{node}.env").read_text() == (f"NCCL_SOCKET_IFNAME=ib0\n"
+                                                        f"SHARDTUNE_CACHE={tmp_path / 'run' / 'data-cache'}\n")
     assert ((log / "requeued").read_text() == "4242\n") if requeued else not (log / "requeued").exists()
 
 
@@ -153,6 +186,8 @@ def test_pytorchjob_manifest(cli):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert "persistentVolumeClaim" in volumes["output"]
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    # The tokenization cache on the shared output volume, beside the run dir
+    assert {"name": "SHARDTUNE_CACHE", "value": f"{pairs['--output-dir']}/data-cache"} in container["env"]
 
 
 @pytest.mark.parametrize("args, fragment", [

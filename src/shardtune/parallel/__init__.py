@@ -33,32 +33,40 @@ def make_backend(cfg: Config, ctx: DistContext, loss: LossFn) -> Backend:
 
 
 def check_combination(cfg: Config, world: int | None = None, *, device: str | None = None,
-                      candidate: bool = False) -> None:
+                      candidate: bool = False, nnodes: int = 1) -> None:
     """Settings that cannot work together, refused before any process starts: the backend's refusals (check)
-    and what the PEFT / optimizer settings need (peft.check). With `world` (processes per node), also the
-    DeepSpeed config the deepspeed backend would build (conflicts with the `deepspeed:` section); with
-    `device` ("cuda" or "cpu"), what the machine cannot run. `candidate`: a planner's candidate, checked only
-    as far as it can be without importing an installed backend package (the run that takes it is checked in full)."""
+    and what the PEFT / optimizer settings need (peft.check). With `world` (processes per node, on `nnodes`
+    nodes), also hsdp's groups and the DeepSpeed config the deepspeed backend would build (conflicts with the
+    `deepspeed:` section); with `device` ("cuda" or "cpu"), what the machine cannot run. `candidate`: a planner's
+    candidate, checked only as far as it can be without importing an installed backend package (the run that
+    takes it is checked in full)."""
     from shardtune import peft
 
-    check(cfg, world, device, candidate=candidate)
+    check(cfg, world, device, candidate=candidate, nnodes=nnodes)
     peft.check(cfg.peft, cfg.optim, cfg.train.precision, candidate=candidate, float8=cfg.train.float8)
 
 
-def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
+def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False,
+          nnodes: int = 1) -> None:
     """Refuse, in one line with its fix, what the chosen backend cannot run: first the settings it does not
     support, then the strategy and offload settings that contradict each other on any backend, then the
-    backend's own checks. `world`: processes per node (None: not known, as for a planner's candidate);
-    `device`: "cuda" or "cpu", the machine the run starts on (None: not known)."""
+    backend's own checks. `world`: processes per node (None: not known, as for a planner's candidate), on
+    `nnodes` nodes; `device`: "cuda" or "cpu", the machine the run starts on (None: not known)."""
     spec = BACKENDS[cfg.parallel.backend]
     spec.refuse_unsupported(cfg)
     check_strategy(cfg.parallel)
-    spec.check(cfg, world, device, candidate=candidate)
+    if world is not None:  # hsdp's groups may span nodes: checked here, where the nodes are known
+        fsdp2.check_groups(cfg.parallel, world, nnodes)
+    spec.check(cfg, None if world is None else world * nnodes, device, candidate=candidate)  # the whole job
 
 
-def describe(cfg: Config, world: int) -> str:
-    """How the chosen backend runs the strategy on `world` processes per node (`shardtune plan`)."""
-    return BACKENDS[cfg.parallel.backend].describe(cfg, world)
+def describe(cfg: Config, world: int, *, nnodes: int = 1) -> str:
+    """How the chosen backend runs the strategy on `world` processes per node of `nnodes` nodes (`shardtune
+    plan`). The backend is given every process of the job, and hsdp's auto shard_size as one node's processes."""
+    if cfg.parallel.strategy == "hsdp":
+        cfg = cfg.model_copy(deep=True)
+        cfg.parallel.shard_size = fsdp2.hsdp_shard_size(cfg.parallel, world * nnodes, world)
+    return BACKENDS[cfg.parallel.backend].describe(cfg, world * nnodes)
 
 
 def memory_fixes(p: ParallelConfig, world: int) -> list[str]:

@@ -68,7 +68,7 @@ REFUSALS = {
 
 def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
     """DeepSpeed's refusals beyond SUPPORTS. `device` ("cuda"/"cpu"): the machine the run starts on, when known.
-    With `world` (processes per node), also the DeepSpeed config the backend would build, through DeepSpeed's
+    With `world` (every process of the job), also the DeepSpeed config the backend would build, through DeepSpeed's
     own parser (conflicts with the `deepspeed:` section, misspelt keys). A planner's `candidate` is only checked
     for the package being installed: `import deepspeed` is ~5 s of a `plan` that should take one or two, the
     config shardtune builds on its own is one DeepSpeed accepts, and a `deepspeed:` section goes through

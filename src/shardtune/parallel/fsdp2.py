@@ -61,7 +61,7 @@ def runs_direct(cfg: Config, world: int) -> bool:
 
 def hsdp_shard_size(parallel: ParallelConfig, world: int, per_node: int) -> int:
     """parallel.shard_size (auto = `per_node`, the processes of one node); it must divide the `world`
-    processes into equal groups."""
+    processes (every process of the job, all nodes) into equal groups, so a group may span nodes."""
     shard = per_node if parallel.shard_size == "auto" else parallel.shard_size
     if shard > world or world % shard:
         raise ShardtuneError(f"parallel.shard_size: {shard} does not divide the {world} processes into equal groups; "
@@ -92,7 +92,8 @@ REFUSALS = {
 
 
 def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
-    """FSDP2's refusals beyond SUPPORTS (`world`: processes per node, when known)."""
+    """FSDP2's refusals beyond SUPPORTS (`world`: every process of the job, when known). hsdp's groups are checked
+    against the whole job by parallel.check (check_groups), which knows the nodes."""
     p = cfg.parallel
     if cfg.optim.fused is True and uses_sharded_scaler(p, cfg.train.precision):
         raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
@@ -101,8 +102,6 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     if cfg.deepspeed:
         raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
-    if world is not None and p.strategy == "hsdp":
-        hsdp_shard_size(p, world, world)
     if cfg.peft.base_dtype == "float8" and (p.strategy == "ddp" or (world is not None and not frozen_whole(p, world))):
         raise ShardtuneError("peft.base_dtype: float8 casts each frozen weight once where the base is whole on each "
                              "GPU outside FSDP2 (zero2 / zero3 / hsdp with parallel.shard_frozen=false, or one "
@@ -128,8 +127,15 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
                              "parallel.activation_offload=false")
 
 
+def check_groups(parallel: ParallelConfig, per_node: int, nnodes: int) -> None:
+    """hsdp: parallel.shard_size must divide the job's `per_node` x `nnodes` processes (auto: one node's)."""
+    if parallel.strategy == "hsdp":
+        hsdp_shard_size(parallel, per_node * nnodes, per_node)
+
+
 def describe(cfg: Config, world: int) -> str:
-    """How FSDP2 runs the strategy (`shardtune plan`); `world`: processes per node."""
+    """How FSDP2 runs the strategy (`shardtune plan`); `world`: every process of the job (parallel.describe
+    gives hsdp's auto shard_size resolved to one node's processes)."""
     p = cfg.parallel
     if p.strategy == "ddp":
         return "torch DDP (replicated)"
@@ -137,7 +143,7 @@ def describe(cfg: Config, world: int) -> str:
         return ("one process without FSDP2: compute-dtype weights in the model, fp32 masters in the optimizer "
                 "(parallel.one_gpu: direct)")
     if p.strategy == "hsdp":
-        shard = hsdp_shard_size(p, world, world)  # checked by check_combination before this runs
+        shard = hsdp_shard_size(p, world, world)  # an explicit size here (parallel.describe resolves auto)
         return (f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard "
                 f"{shard}) mesh")
     return f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"

@@ -37,7 +37,7 @@ class BackendSpec:
     supports:  config key (SUPPORT_KEYS) -> the values this backend runs; the planner picks among them.
     refusals:  (key, value) -> the one-line message (with its fix) for each value it does not run.
     make:      builds the backend for a run: (cfg, ctx, loss) -> Backend.
-    check:     its other refusals: (cfg, world or None, device type or None); world = processes per node.
+    check:     its other refusals: (cfg, world or None, device type or None); world = every process of the job.
     describe:  (cfg, world) -> how it runs the strategy, as `shardtune plan` prints it.
     checkpoint_format: the on-disk format of its checkpoints (a name in checkpoint.formats).
     param_shards: (parallel, world) -> over how many ranks it splits each parameter at rest (1: every rank

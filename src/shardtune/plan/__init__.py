@@ -165,7 +165,7 @@ def supported_by(cfg: Any) -> Any:
     def check(s: Setting) -> str | None:
         variant = config_for(cfg, s)
         try:
-            check_combination(variant, s.per_node, candidate=True)
+            check_combination(variant, s.per_node, candidate=True, nnodes=s.nnodes)
         except ShardtuneError as err:
             return str(err)
         return None
