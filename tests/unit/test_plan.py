@@ -295,6 +295,21 @@ def test_flops_and_communication_per_strategy(one_b: ModelShape) -> None:
     assert comm_bytes(one_b, Setting(world=1)) == {}
 
 
+def test_deepspeed_zero2_reduces_per_micro_batch_in_buckets(one_b: ModelShape) -> None:
+    """DeepSpeed ZeRO-2 (bf16, grad_accum 2): each micro-batch's gradients go out in 5e8-element buckets; the
+    buckets that hold slices of several ranks' partitions (one per partition boundary) are all-reduced, the rest
+    reduced to their owner (tests/dist/test_deepspeed.py measures the one-bucket case on gloo)."""
+    n, bucket = one_b.params, 5e8
+    assert n > 2 * bucket  # the 1B shape fills three buckets
+    got = comm_bytes(one_b, Setting(backend="deepspeed", strategy="zero2", world=2, per_node=2, grad_accum=2))
+    # 2 bytes (bf16) x 2 micro-batches; one boundary: one bucket all-reduced (2B(n-1)/n), the rest reduced (B).
+    assert got == {"all_reduce": pytest.approx(2 * 2 * 2 * bucket / 2), "reduce": pytest.approx(2 * 2 * (n - bucket)),
+                   "all_gather": pytest.approx(2 * n / 2)}
+    # With more boundaries than buckets (4 ranks: 3 boundaries, under 3 buckets) every bucket is all-reduced.
+    four = comm_bytes(one_b, Setting(backend="deepspeed", strategy="zero2", world=4, per_node=4))
+    assert set(four) == {"all_reduce", "all_gather"} and four["all_reduce"] == pytest.approx(2 * 2 * n * 3 / 4)
+
+
 def test_a_job_across_nodes_pays_the_inter_node_network(one_b: ModelShape) -> None:
     one_node = step_time(one_b, Setting(strategy="zero3", micro_batch_size=1, world=8, per_node=8), H200)
     two_nodes = step_time(one_b, Setting(strategy="zero3", micro_batch_size=1, world=16, per_node=8), H200)
