@@ -21,7 +21,7 @@ def train(config_or_path: Config | str | Path, overrides: list[str] | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         if isinstance(config_or_path, Config):
             path = Path(tmp) / "config.yaml"
-            path.write_text(dump_config(config_or_path))
+            path.write_text(dump_config(config_or_path, redact=False))  # the run reads it back
         else:
             path = Path(config_or_path)
         argv = ["train", str(path), *(overrides or [])]

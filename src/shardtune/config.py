@@ -665,9 +665,15 @@ def _refuse_duplicate_keys(node: yaml.Node | None, path: str, where: str = "", d
         _refuse_duplicate_keys(value_node, path, key, done)
 
 
-def dump_config(cfg: Config) -> str:
+def dump_config(cfg: Config, *, redact: bool = True) -> str:
     """The resolved config as YAML, every default written out, paths absolute (the file means the same wherever
-    it is copied: a run's config.yaml, the Python API's temporary file)."""
+    it is copied: a run's config.yaml, the Python API's temporary file). `redact`: credentials in URLs (e.g.
+    log.mlflow.tracking_uri's user:password@) and secret environment variables' values masked, as the trackers
+    get it (shardtune.redact); a file a run reads back must be written with redact=False."""
     raw = map_paths(cfg.model_dump(mode="json", by_alias=True), lambda v: v if v.startswith("~") else
                     os.path.abspath(v))
+    if redact:
+        from shardtune.redact import redact as mask
+
+        raw = mask(raw)
     return yaml.safe_dump(raw, sort_keys=False)

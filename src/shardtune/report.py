@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ShardtuneError
+from shardtune.redact import redact_text
 
 REPORT_DIR = "report"  # OUTPUT_DIR/report, written at the end of `train`
 PAGE = "report.html"
@@ -50,7 +51,8 @@ def read_run(path: Path, name: str | None = None) -> RunData:
             continue  # a line cut short by a crash
         (run.evals if record.get("eval") else run.train).append(record)
     if (path / "config.yaml").is_file():
-        run.config = (path / "config.yaml").read_text()
+        # Masked again here: a config.yaml written before shardtune masked it may hold a URL's credentials.
+        run.config = redact_text((path / "config.yaml").read_text())
     for attr, fname in (("plan", "plan.json"), ("summary", "summary.json")):
         f = path / fname
         if f.is_file():
@@ -252,7 +254,9 @@ def _fmt(v: Any) -> str:
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:
-    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in rows)
+    # Values are paths and settings as the run wrote them: masked like the config (a URL's credentials).
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(redact_text(_fmt(v)))}</td></tr>"
+                   for k, v in rows)
     return f"<table>{body}</table>"
 
 
@@ -264,6 +268,23 @@ def _plan_table(plan: dict[str, Any]) -> str:
     return f"<p>Planner ({html.escape(str(plan.get('hardware')))}) against this run:</p><table>{head}{body}</table>"
 
 
+def checkpoints_dir(run: RunData) -> Path:
+    """Where the run's checkpoints went: its config.yaml's checkpoint.dir, else RUN/checkpoints (the rule of
+    checkpoint.layout.checkpoint_root, with the directory the report was given standing for train.output_dir, so
+    a run folder that was moved is still found)."""
+    import yaml
+
+    from shardtune.checkpoint.layout import checkpoint_root
+    from shardtune.config import CheckpointConfig
+
+    try:
+        section = (yaml.safe_load(run.config) or {}).get("checkpoint") or {}
+    except (yaml.YAMLError, AttributeError):  # not a mapping, or cut short: the default
+        section = {}
+    where = section.get("dir") if isinstance(section, dict) else None
+    return checkpoint_root(CheckpointConfig(dir=where if isinstance(where, str) else None), run.path)
+
+
 def _run_section(run: RunData) -> str:
     s = run.summary
     last = run.train[-1] if run.train else {}
@@ -271,7 +292,7 @@ def _run_section(run: RunData) -> str:
             ("precision", s.get("precision")), ("parameters", s.get("params")),
             ("steps", f"{last.get('step', '—')} of {s.get('steps', '—')}"), ("final loss", s.get("final_loss")),
             ("training time (s)", s.get("train_seconds")), ("model", s.get("model_dir")),
-            ("adapter", s.get("adapter_dir")), ("checkpoints", str(run.path / "checkpoints")),
+            ("adapter", s.get("adapter_dir")), ("checkpoints", str(checkpoints_dir(run))),
             ("stopped by", s.get("stopped_by"))]
     if not s:
         rows.append(("summary.json", "not written (the run has not finished)"))

@@ -92,3 +92,79 @@ def test_the_oom_line_names_the_snapshot(tmp_path: Path) -> None:
     assert line.startswith("out of GPU memory in step 3 on rank 0") and line.endswith(
         f"; allocations up to it: {written[-1]}")
     assert "allocations up to it" not in str(out_of_memory(cfg, ctx, RuntimeError("x"), "in step 3"))
+
+
+class FakeHistory:
+    """torch.cuda.memory's recorder as MemorySnapshot drives it (this CPU machine has no CUDA allocator): history
+    on or off (`_record_memory_history`), allocation events kept only while on, `_snapshot()` in PyTorch's format."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: list[object] = []
+        self.trace: list[dict] = []
+
+    def record(self, enabled: object = "all", max_entries: int = 0, **_: object) -> None:
+        self.calls.append(enabled)
+        self.on = enabled is not None
+
+    def alloc(self, addr: int, mib: int, where: str) -> None:
+        if self.on:
+            self.trace.append(_alloc(addr, mib, where))
+
+    def snapshot(self) -> dict:
+        return {"segments": [], "device_traces": [list(self.trace)]}
+
+
+def _steps_until_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, oom_step: int) -> tuple[list[Path], str]:
+    """Optimizer steps 1..5 with log.memory_snapshot [2, 4], as train/loop.py drives it (before each step, after it;
+    on torch.OutOfMemoryError in a step: close("out of memory") and the one-line error naming what it wrote); step
+    `oom_step` runs out of memory. Returns the files close wrote and the error line."""
+    import torch
+
+    from shardtune.dist import DistContext
+    from shardtune.metrics.memory_snapshot import MemorySnapshot
+    from shardtune.train.loop import out_of_memory
+
+    history = FakeHistory()
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", history.record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", history.snapshot)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 512 * MIB)
+    memory = MemorySnapshot(2, 4, tmp_path, rank=0, device=torch.device("cuda", 0))
+    cfg, ctx = load_config(TINY, []), DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    for step in range(1, 6):
+        try:
+            memory.before(step)
+            history.alloc(step, 10 * step, f"step{step}")
+            if step == oom_step:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError as err:
+            written = memory.close("out of memory")
+            assert not history.on  # recording stopped either way
+            return written, str(out_of_memory(cfg, ctx, err, f"in step {step}", written))
+        memory.after(step)
+    raise AssertionError("no out-of-memory error")
+
+
+def test_an_oom_inside_the_steps_writes_the_snapshot_up_to_it(tmp_path: Path, monkeypatch) -> None:
+    import pickle
+
+    written, line = _steps_until_oom(tmp_path, monkeypatch, oom_step=3)
+    assert written == [tmp_path / "memory" / "rank0.pickle", tmp_path / "memory" / "rank0.txt"]
+    snapshot = pickle.loads(written[0].read_bytes())
+    assert [e["addr"] for e in snapshot["device_traces"][0]] == [2, 3]  # steps 2 and 3 (the failed one)
+    text = written[1].read_text()
+    assert text.startswith("CUDA memory, steps 2-3 (out of memory): peak 0.55 GiB allocated (0.50 GiB already")
+    assert "/src/step3.py:7 step3" in text.splitlines()[2]  # the failed step's allocation, the largest
+    assert line.startswith("out of GPU memory in step 3 on rank 0") and line.endswith(str(written[1]))
+
+
+def test_an_oom_outside_the_steps_records_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Before step A nothing is recording: no file. After step B the files of A..B were written when B ended; the
+    error names none."""
+    written, line = _steps_until_oom(tmp_path / "before", monkeypatch, oom_step=1)
+    assert written == [] and not (tmp_path / "before" / "memory").exists() and "allocations up to it" not in line
+    written, line = _steps_until_oom(tmp_path / "after", monkeypatch, oom_step=5)
+    assert written == [] and "allocations up to it" not in line
+    text = (tmp_path / "after" / "memory" / "rank0.txt").read_text()
+    assert text.startswith("CUDA memory, steps 2-4: peak ")  # written at the end of step 4, no reason

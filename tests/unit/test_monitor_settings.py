@@ -1,28 +1,140 @@
-"""The system sampler without NVML (this machine has no GPU and no nvidia-ml-py), the step profiler on CPU, and
-their config keys."""
+"""The system sampler without NVML (this machine has no GPU: nvidia-ml-py, if installed, finds no driver) and with a
+fake `pynvml` standing in for a driver's answers, the step profiler on CPU, and their config keys."""
 
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import threading
+import types
 
 import pytest
 import torch
 
 from shardtune.config import ConfigError, config_from_dict
 from shardtune.metrics.profile import StepProfiler
-from shardtune.metrics.system import SystemSampler
+from shardtune.metrics.system import GIB, SystemSampler
 
 BASE = {"model": {"preset": "tiny-llama"}, "data": {"train_file": "x.jsonl"}}
 
 
 def test_sampler_without_nvml_reports_the_process_rss_and_stops():
     sampler = SystemSampler(period_s=0.01).start()
-    assert sampler.source == "rss"
+    assert sampler.source == "rss"  # this CPU machine: nvidia-ml-py missing, or installed and finding no driver
+    assert sampler.nvml_error == "nvidia-ml-py is not installed" or sampler.nvml_error.startswith(
+        "NVML did not start: NVMLError_LibraryNotFound")
     record = sampler.take()
     assert set(record) == {"rss_gib"} and record["rss_gib"] > 0
     sampler.close()
     assert not any(t.name == "shardtune-system-sampler" for t in threading.enumerate())
+
+
+class _Util:
+    def __init__(self, gpu: float) -> None:
+        self.gpu = gpu
+
+
+class _Mem:
+    def __init__(self, used: float) -> None:
+        self.used = used
+
+
+def fake_pynvml(gpus: int, fail_init: bool = False) -> types.ModuleType:
+    """pynvml's calls the sampler makes, answering for `gpus` GPUs. GPU i at its n-th query (n = 0, 1, ...) is
+    10*i + 10*n percent busy, (i + 1 + n) GiB used, 100*(i + 1) + 50*n W and 40 + i + 5*n degrees: every field differs
+    per GPU and per sample, so a mix-up of GPUs or of aggregations shows."""
+    nv = types.ModuleType("pynvml")
+    nv.NVML_TEMPERATURE_GPU = 0
+    nv.NVMLError = type("NVMLError", (Exception,), {})
+    nv.NVMLError_DriverNotLoaded = type("NVMLError_DriverNotLoaded", (nv.NVMLError,), {})
+    nv.queries = [0] * gpus  # utilisation queries answered per GPU: the sample number
+    nv.shutdowns = 0
+
+    def init():
+        if fail_init:
+            raise nv.NVMLError_DriverNotLoaded("Driver Not Loaded")
+
+    def shutdown():
+        nv.shutdowns += 1
+
+    def util(i):
+        nv.queries[i] += 1
+        return _Util(10 * i + 10 * (nv.queries[i] - 1))
+
+    n = lambda i: nv.queries[i] - 1  # noqa: E731 - the sample the other fields belong to
+    nv.nvmlInit, nv.nvmlShutdown, nv.nvmlDeviceGetCount = init, shutdown, lambda: gpus
+    nv.nvmlDeviceGetHandleByIndex = lambda i: i  # the handle is the index
+    nv.nvmlDeviceGetUUID = lambda i: f"GPU-{'abcdefgh'[i] * 8}-0000".encode()  # bytes, as older releases give
+    nv.nvmlDeviceGetUtilizationRates = util
+    nv.nvmlDeviceGetMemoryInfo = lambda i: _Mem((i + 1 + n(i)) * GIB)
+    nv.nvmlDeviceGetPowerUsage = lambda i: (100 * (i + 1) + 50 * n(i)) * 1000  # milliwatts
+    nv.nvmlDeviceGetTemperature = lambda i, sensor: 40 + i + 5 * n(i)
+    return nv
+
+
+def test_no_driver_falls_back_to_rss_with_one_line_why(monkeypatch, caplog):
+    nv = fake_pynvml(2, fail_init=True)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    with caplog.at_level(logging.INFO, logger="shardtune.metrics.system"):
+        sampler = SystemSampler(period_s=0.01).start()
+    record = sampler.take()
+    sampler.close()
+    assert sampler.source == "rss" and set(record) == {"rss_gib"} and record["rss_gib"] > 0
+    assert sampler.nvml_error == "NVML did not start: NVMLError_DriverNotLoaded: Driver Not Loaded"
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardtune.metrics.system"]
+    assert len(lines) == 1 and "Driver Not Loaded" in lines[0] and "rss_gib" in lines[0], lines
+    assert nv.queries == [0, 0]  # no GPU query after a failed start
+
+
+def test_two_gpus_each_summarised_over_the_interval(monkeypatch):
+    """Two samples of two GPUs: per GPU, the mean busy % and power, the max memory and temperature."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(2))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    sampler = SystemSampler()
+    assert sampler.source == "nvml" and sampler.nvml_error is None and sampler.indices == [0, 1]
+    sampler.sample()
+    sampler.sample()
+    assert sampler.take() == {"gpu_util_pct": [5.0, 15.0], "gpu_mem_used_gib": [2.0, 3.0],
+                              "gpu_power_w": [125.0, 225.0], "gpu_temp_c": [45.0, 46.0]}
+    sampler.close()
+    assert sampler.nvml.shutdowns == 1
+
+
+@pytest.mark.parametrize("visible, local_world, indices", [
+    ("2,3", None, [2, 3]),
+    ("3,1", None, [3, 1]),  # CUDA's order: the first visible GPU (cuda:0) is NVML's 3
+    ("GPU-cccccccc-0000,GPU-aaaa", None, [2, 0]),  # UUIDs, whole or a unique prefix
+    ("1,GPU-zzzz,3", None, [1]),  # as CUDA: the list ends at the first entry that names no GPU
+    ("2,7", None, [2]),
+    ("2,3,0", "2", [2, 3]),  # 2 processes on this node: cuda:0 and cuda:1 only
+    (None, "2", [0, 1]),
+])
+def test_only_the_gpus_this_node_trains_on_are_sampled(monkeypatch, visible, local_world, indices):
+    nv = fake_pynvml(4)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    for name, value in (("CUDA_VISIBLE_DEVICES", visible), ("LOCAL_WORLD_SIZE", local_world)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    sampler = SystemSampler()
+    assert sampler.indices == indices
+    record = sampler.take()
+    assert record["gpu_temp_c"] == [40.0 + i for i in indices]  # GPU i's own answers, in CUDA's order
+    assert [i for i, q in enumerate(nv.queries) if q] == sorted(indices)  # the others never queried
+
+
+@pytest.mark.parametrize("visible", ["", "-1", "MIG-0b1c2d3e"])
+def test_no_visible_gpu_falls_back_to_rss(monkeypatch, visible):
+    nv = fake_pynvml(2)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    sampler = SystemSampler()
+    assert sampler.source == "rss" and set(sampler.take()) == {"rss_gib"}
+    assert sampler.nvml_error == "no GPU of CUDA_VISIBLE_DEVICES found through NVML" and nv.shutdowns == 1
 
 
 def test_step_profiler_traces_only_its_steps(tmp_path):

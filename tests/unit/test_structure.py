@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"workerstart"},  # the forkserver worker start (tests' CPU launches): launch starts it, dist's exit reports to it
     {"errors"},  # exception types and error_chain, stdlib only: dist and fileio read wrapped errors with it
     {"stop"},  # signal flags and handlers, stdlib only: launch (the launcher's side) imports it
+    {"redact"},  # secrets masked in what a run saves or shows, stdlib only: config, trackers, report, train use it
 ]
 # Known exceptions, each with its reason.
 UPWARD_ALLOWED = {

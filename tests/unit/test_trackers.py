@@ -64,3 +64,90 @@ def test_a_run_whose_tracker_does_not_start_exits_2_in_one_line(tmp_path, data_c
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: log.mlflow: mlflow did not start: "), proc.stderr
     assert "nosuch" in errors[0]
+
+
+# ---- secrets: masked in what the trackers, config.yaml and the report get; the run itself keeps them --------------
+
+SECRET_ENV = {"WANDB_API_KEY": "wandbkeymark0123", "HF_TOKEN": "hftokenmark4567",
+              "MLFLOW_TRACKING_PASSWORD": "mlflowpassmark89"}
+SECRET_URI = "https://user:SECRETMARK@mlflow.example/base?api_key=QUERYMARK&view=1"
+MARKERS = ["SECRETMARK", "QUERYMARK", *SECRET_ENV.values()]
+
+
+def _secret_config(monkeypatch):
+    """A config that holds credentials the way users put them there: a tracking URI with user:password@ and an API
+    key parameter, and W&B's API key pasted into log.wandb.entity (a value only the environment scrub catches)."""
+    for name, value in SECRET_ENV.items():
+        monkeypatch.setenv(name, value)
+    return load_config(TINY, ["log.tensorboard=true", f"log.mlflow={{experiment: e, tracking_uri: '{SECRET_URI}'}}",
+                              f"log.wandb={{project: p, mode: offline, entity: {SECRET_ENV['WANDB_API_KEY']}}}"])
+
+
+def _fake_module(monkeypatch, name: str, **functions) -> None:
+    import types
+
+    module = types.ModuleType(name)
+    for fname, fn in functions.items():
+        setattr(module, fname, fn)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def _leaks(text: str) -> list[str]:
+    return [m for m in MARKERS if m in text]
+
+
+def test_the_trackers_get_the_config_without_its_secrets_and_mlflow_connects_with_them(tmp_path, monkeypatch):
+    """TensorBoard is the real one (its event file read back as bytes); W&B and MLflow are fakes that record their
+    calls (the real ones would go to the network with these settings)."""
+    cfg = _secret_config(monkeypatch)
+    calls: dict = {}
+
+    def wandb_init(**kwargs):
+        calls["wandb"] = kwargs
+        return type("Run", (), {"log": lambda self, metrics, step: None, "finish": lambda self: None})()
+
+    _fake_module(monkeypatch, "wandb", init=wandb_init)
+    _fake_module(monkeypatch, "mlflow", set_tracking_uri=lambda uri: calls.setdefault("uri", uri),
+                 set_experiment=lambda name: None, start_run=lambda run_name: None, end_run=lambda: None,
+                 log_params=lambda params: calls.setdefault("params", params))
+    trackers = make_trackers(cfg.log, tmp_path, cfg.model_dump(mode="json", by_alias=True))  # as the loop calls it
+    for tracker in trackers:
+        tracker.close()
+    assert calls["uri"] == SECRET_URI and calls["wandb"]["entity"] == SECRET_ENV["WANDB_API_KEY"]  # the run's own
+    params = calls["params"]
+    assert params["log.mlflow.tracking_uri"] == "https://***@mlflow.example/base?api_key=***&view=1"
+    assert params["log.wandb.entity"] == "***" and params["train.lr"] == "0.001"  # the rest as it was
+    assert not _leaks(repr(params)) and not _leaks(repr(calls["wandb"]["config"]))
+    events = b"".join(f.read_bytes() for f in (tmp_path / "tensorboard").iterdir())
+    assert b"mlflow.example" in events and not _leaks(events.decode("latin-1"))
+
+
+def test_config_yaml_and_the_report_show_no_secret(tmp_path, monkeypatch):
+    """config.yaml as dump_config writes it; the report of a run whose config.yaml was written unmasked (before
+    shardtune masked it) still shows none; redact=False (a file a run reads back) keeps them."""
+    import json
+
+    from shardtune.config import dump_config
+    from shardtune.report import write_report
+
+    cfg = _secret_config(monkeypatch)
+    assert not _leaks(dump_config(cfg)) and "https://***@mlflow.example" in dump_config(cfg)
+    assert set(_leaks(dump_config(cfg, redact=False))) == {"SECRETMARK", "QUERYMARK", "wandbkeymark0123"}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(cfg, redact=False))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"model_dir": f"{SECRET_URI}/model"}))
+    page = write_report([run], tmp_path / "report").read_text()
+    assert "mlflow.example" in page and not _leaks(page), _leaks(page)
+
+
+def test_a_tracker_that_does_not_start_does_not_print_the_uri_credentials(monkeypatch):
+    from shardtune.metrics.trackers import _start
+
+    def refuse():
+        raise RuntimeError(f"API request to {SECRET_URI} failed")
+
+    with pytest.raises(ShardtuneError) as err:
+        _start("mlflow", refuse)
+    assert "https://***@mlflow.example" in str(err.value) and not _leaks(str(err.value))

@@ -2,8 +2,11 @@
 metrics.jsonl counts them), per rank: OUTPUT_DIR/memory/rank{R}.pickle, which PyTorch's memory viewer opens
 (https://pytorch.org/memory_viz, drag the file in), and rank{R}.txt, a short summary: the peak allocated during
 those steps and the allocations alive at that moment summed by the line of code (outside torch) that made them.
-An out-of-memory error while recording writes both too, up to the failed allocation (the one-line OOM error
-names the files). CUDA only (`torch.cuda.memory._record_memory_history`); validate refuses it on other devices.
+An out-of-memory error in a training step inside A..B writes both too, up to the failed allocation, the summary
+naming the steps recorded (`steps A-S (out of memory)`, S the failed step) and the one-line OOM error naming the
+files. Outside A..B an out-of-memory error records nothing: before step A (or while the model is built) nothing is
+recording yet, and after step B the files of A..B are already written (that error names none). CUDA only
+(`torch.cuda.memory._record_memory_history`); validate refuses it on other devices.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class MemorySnapshot:
         self.device = device
         self.recording = False
         self.baseline = 0  # bytes allocated when recording started (no frames for those)
+        self.step = 0  # the last step begun while recording: where a run that stops inside A..B got to
         self.written: list[Path] = []
 
     def before(self, step: int) -> None:
@@ -35,6 +39,8 @@ class MemorySnapshot:
             self.baseline = torch.cuda.memory_allocated(self.device)
             torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
             self.recording = True
+        if self.recording:
+            self.step = step
 
     def after(self, step: int) -> None:
         """Call when optimizer step `step` has ended: the snapshot is written after step B."""
@@ -42,7 +48,8 @@ class MemorySnapshot:
             self.close()
 
     def close(self, reason: str = "") -> list[Path]:
-        """Write the snapshot and its summary (also when the run ends or fails inside A..B); returns the files."""
+        """Write the snapshot and its summary (also when the run ends or fails inside A..B, `reason` saying why);
+        returns the files, none when nothing is recording (before A, or after B: written already)."""
         if not self.recording:
             return []
         self.recording = False
@@ -55,7 +62,7 @@ class MemorySnapshot:
         with pickle_path.open("wb") as f:
             pickle.dump(snapshot, f)
         text_path = self.dir / f"rank{self.rank}.txt"
-        steps = f"steps {self.first}-{self.last}" + (f" ({reason})" if reason else "")
+        steps = f"steps {self.first}-{min(self.step, self.last)}" + (f" ({reason})" if reason else "")
         text_path.write_text(summary_text(snapshot, self.baseline, steps))
         self.written = [pickle_path, text_path]
         return self.written

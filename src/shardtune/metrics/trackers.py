@@ -12,6 +12,11 @@ at the record's optimizer step; the resolved config once at the start. A tracker
 installed is refused before the run starts (validate), in one line with the install command; one that is
 installed but does not start (wandb online without a login, MLflow 3 refusing a file store without
 MLFLOW_ALLOW_FILE_STORE=true) stops the run at its start in one line naming the tracker and the package's reason.
+
+Secrets stay out of what they receive: `redact` masks the credentials of every URL in the config (user:password@,
+query parameters named like token, key, secret, password or signature) and the values of secret-named environment
+variables (WANDB_API_KEY, HF_TOKEN, MLFLOW_TRACKING_PASSWORD, ...) before the config is logged, saved
+(config.yaml) or shown (the report). The run itself uses the values as given.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+
+from shardtune.redact import redact, redact_text
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
@@ -112,7 +119,9 @@ def configured(log_cfg: Any) -> list[str]:
 
 
 def make_trackers(log_cfg: Any, out: Path, config: dict[str, Any]) -> list[Tracker]:
-    """The configured trackers (call on rank 0 only)."""
+    """The configured trackers (call on rank 0 only). They log `config` with its secrets masked; MLflow connects to
+    log_cfg.mlflow.tracking_uri as given."""
+    config = redact(config)
     makers: dict[str, Callable[[], Tracker]] = {
         "tensorboard": lambda: TensorBoardTracker(out, config),
         "wandb": lambda: WandbTracker(out, config, log_cfg.wandb),
@@ -128,5 +137,6 @@ def _start(name: str, make: Callable[[], Tracker]) -> Tracker:
     try:
         return make()
     except Exception as err:
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        # The package's message may quote the tracking URI it was given, credentials and all.
+        why = redact_text((str(err).strip().splitlines() or [type(err).__name__])[0])
         raise ShardtuneError(f"log.{name}: {PACKAGES[name]} did not start: {why}") from err

@@ -50,6 +50,7 @@ from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
 from shardtune.parallel.prepare import uses_cudagraphs
+from shardtune.redact import redact
 from shardtune.runtime import young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
@@ -710,7 +711,7 @@ def trainer_state(run: Run) -> dict[str, Any]:
             "extra": extra, "world_size": run.ctx.world, "global_batch": sampler.global_batch,
             "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
             "strategy": cfg.parallel.strategy, "skipped_steps": run.state.skipped,
-            "config": cfg.model_dump(mode="json", by_alias=True)}
+            "config": redact(cfg.model_dump(mode="json", by_alias=True))}  # informational: nothing reads it back
 
 
 def keep_global_batch(cfg: Config, saved: dict[str, Any], ctx: DistContext) -> Config:
