@@ -117,13 +117,17 @@ class FakeHistory:
 
 def _steps_until_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, oom_step: int) -> tuple[list[Path], str]:
     """Optimizer steps 1..5 with log.memory_snapshot [2, 4], as train/loop.py drives it (before each step, after it;
-    on torch.OutOfMemoryError in a step: close("out of memory") and the one-line error naming what it wrote); step
-    `oom_step` runs out of memory. Returns the files close wrote and the error line."""
+    each step run through the loop's own _no_oom guard, which on torch.OutOfMemoryError closes the snapshot with
+    "out of memory" and raises the one-line error naming what it wrote); step `oom_step` runs out of memory.
+    Returns the files close wrote and the error line."""
+    from types import SimpleNamespace
+
     import torch
 
     from shardtune.dist import DistContext
+    from shardtune.errors import ShardtuneError
     from shardtune.metrics.memory_snapshot import MemorySnapshot
-    from shardtune.train.loop import out_of_memory
+    from shardtune.train.loop import _no_oom
 
     history = FakeHistory()
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", history.record)
@@ -131,17 +135,24 @@ def _steps_until_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, oom_step: 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 512 * MIB)
     memory = MemorySnapshot(2, 4, tmp_path, rank=0, device=torch.device("cuda", 0))
-    cfg, ctx = load_config(TINY, []), DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    closed: list[list[Path]] = []
+    close = memory.close
+    monkeypatch.setattr(memory, "close", lambda reason="": closed.append(close(reason)) or closed[-1])
+    run = SimpleNamespace(cfg=load_config(TINY, []), memory=memory,
+                          ctx=DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu")))
+
+    def step_fn(step: int) -> None:
+        history.alloc(step, 10 * step, f"step{step}")
+        if step == oom_step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
     for step in range(1, 6):
+        memory.before(step)
         try:
-            memory.before(step)
-            history.alloc(step, 10 * step, f"step{step}")
-            if step == oom_step:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        except torch.OutOfMemoryError as err:
-            written = memory.close("out of memory")
-            assert not history.on  # recording stopped either way
-            return written, str(out_of_memory(cfg, ctx, err, f"in step {step}", written))
+            _no_oom(run, f"in step {step}", step_fn, step)
+        except ShardtuneError as err:
+            assert not history.on and closed  # recording stopped either way
+            return closed[-1], str(err)
         memory.after(step)
     raise AssertionError("no out-of-memory error")
 

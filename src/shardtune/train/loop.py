@@ -143,20 +143,17 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     run_eval = _evaluator(run.backend, run.data, run.cfg, run.ctx, run.logger, run.state, run.total_steps)
     start = time.perf_counter()
     if not run.resume:
-        run_eval(0)
+        _no_oom(run, "in the evaluation before step 1", run_eval, 0)
     interval = _Interval(run.ctx.device, run.system)
     with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
-            try:
-                _train_step(run, step, interval)
-            except torch.OutOfMemoryError as err:
-                written = run.memory.close("out of memory") if run.memory is not None else []
-                raise out_of_memory(run.cfg, run.ctx, err, f"in step {step + 1}", written) from None
+            _no_oom(run, f"in step {step + 1}", _train_step, run, step, interval)
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
                     and run.state.step != run.total_steps:
-                interval.eval_s += _timed(run_eval, run.state.step, device=run.ctx.device)
+                interval.eval_s += _no_oom(run, f"in the evaluation after step {run.state.step}", _timed, run_eval,
+                                           run.state.step, device=run.ctx.device)
         if run.pending is not None:  # read at the last step already (its log is due); kept for safety
             _settle(run, interval)
         run.ckpt.close()
@@ -172,8 +169,18 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
                              f"last good weights in {saved}; lower train.lr or check the data, then --resume auto")
     finished = run.state.step >= run.total_steps
     if finished:
-        run_eval(run.total_steps)
+        _no_oom(run, "in the final evaluation", run_eval, run.total_steps)
     return finish(run, finished, time.perf_counter() - start, overwrite=overwrite)
+
+
+def _no_oom(run: Run, where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs); out of GPU memory, the one-line error that says where and what fits, with the
+    memory snapshot written when log.memory_snapshot is recording (a step or an evaluation inside A..B)."""
+    try:
+        return fn(*args, **kwargs)
+    except torch.OutOfMemoryError as err:
+        written = run.memory.close("out of memory") if run.memory is not None else []
+        raise out_of_memory(run.cfg, run.ctx, err, where, written) from None
 
 
 def out_of_memory(cfg: Config, ctx: DistContext, err: BaseException, where: str,
