@@ -2,11 +2,11 @@
 metrics.jsonl counts them), per rank: OUTPUT_DIR/memory/rank{R}.pickle, which PyTorch's memory viewer opens
 (https://pytorch.org/memory_viz, drag the file in), and rank{R}.txt, a short summary: the peak allocated during
 those steps and the allocations alive at that moment summed by the line of code (outside torch) that made them.
-An out-of-memory error in a training step inside A..B writes both too, up to the failed allocation, the summary
-naming the steps recorded (`steps A-S (out of memory)`, S the failed step) and the one-line OOM error naming the
-files. Outside A..B an out-of-memory error records nothing: before step A (or while the model is built) nothing is
-recording yet, and after step B the files of A..B are already written (that error names none). CUDA only
-(`torch.cuda.memory._record_memory_history`); validate refuses it on other devices.
+An out-of-memory error in a training step (or an evaluation) inside A..B writes both too, up to the failed
+allocation, the summary naming the steps recorded (`steps A-S (out of memory)`, S the failed step) and the one-line
+OOM error naming the files. Outside A..B an out-of-memory error records nothing: before step A (or while the model
+is built) nothing is recording yet, and after step B the files of A..B are already written (that error names none).
+CUDA only (`torch.cuda.memory._record_memory_history`); validate refuses it on other devices.
 """
 
 from __future__ import annotations
