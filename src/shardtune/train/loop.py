@@ -394,6 +394,10 @@ def _print_start(run: Run) -> None:
                   f"each time (train.eval_batches={t.eval_batches}: {cap} micro-batches per process; all = every one)")
     if run.resume:
         log.print(f"resumed from {run.resume} at step {run.state.step}")
+    if run.system is not None and run.system.nvml_error and run.ctx.device.type == "cuda":
+        hint = " (pip install -e '.[gpu-monitor]')" if "not installed" in run.system.nvml_error else ""
+        log.print(f"log.system: {run.system.nvml_error}{hint}; logging the process's memory (rss_gib) instead of "
+                  "GPU samples")
 
 
 @dataclass
