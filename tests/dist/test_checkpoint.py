@@ -517,7 +517,7 @@ def two_nodes(tmp_path_factory, reference):
 
 def test_two_nodes_match_one_node_a_dead_node_is_one_line_and_the_checkpoint_resumes(
         two_nodes, reference, reference_run, cache, tmp_path, cli):
-    """Losses of the 4-rank two-node hsdp run equal the reference's (which the reshard tests tie to one process),
+    """Losses of the 4-rank two-node hsdp run equal the reference's and those of a one-process run,
     with the data both nodes tokenized at once into one shared cache: it holds one complete store per data set
     and no half-written one.
     When node 1 dies, node 0 stops within a bounded time with exit code 2 and one line naming the newest complete
@@ -539,6 +539,11 @@ def test_two_nodes_match_one_node_a_dead_node_is_one_line_and_the_checkpoint_res
     got = losses(run)  # the checkpointed step's own record may be lost: node 1 died between the save and the log
     assert set(range(1, step)) <= set(got)
     assert max(abs(got[s] - reference[s]) for s in got) <= 1e-5
+    # ...and equal those of one process (zero2, grad_accum 4: the same 16 sequences per step), step for step.
+    single = tmp_path / "one"
+    train(single, cache, nproc=1, strategy="zero2", accum=4)
+    one = losses(single)
+    assert sorted(one) == list(range(1, STEPS + 1)) and max(abs(got[s] - one[s]) for s in got) <= 1e-5
     # The cache both nodes tokenized into at once: one whole store (the tiny task set), nothing half-written.
     stores = sorted((run.parent / "shared_cache").iterdir())
     assert len(stores) == 1 and not stores[0].name.startswith("."), stores
