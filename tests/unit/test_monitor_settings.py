@@ -22,8 +22,8 @@ BASE = {"model": {"preset": "tiny-llama"}, "data": {"train_file": "x.jsonl"}}
 def test_sampler_without_nvml_reports_the_process_rss_and_stops():
     sampler = SystemSampler(period_s=0.01).start()
     assert sampler.source == "rss"  # this CPU machine: nvidia-ml-py missing, or installed and finding no driver
-    assert sampler.nvml_error == "nvidia-ml-py is not installed" or sampler.nvml_error.startswith(
-        "NVML did not start: NVMLError_LibraryNotFound")
+    assert sampler.nvml_error == "nvidia-ml-py is not installed (pip install -e '.[gpu-monitor]')" or \
+        sampler.nvml_error.startswith("NVML did not start: NVMLError_LibraryNotFound")
     record = sampler.take()
     assert set(record) == {"rss_gib"} and record["rss_gib"] > 0
     sampler.close()

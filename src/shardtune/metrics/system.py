@@ -24,7 +24,7 @@ def _nvml() -> tuple[Any | None, str | None]:
     try:
         import pynvml
     except ImportError:
-        return None, "nvidia-ml-py is not installed"
+        return None, "nvidia-ml-py is not installed (pip install -e '.[gpu-monitor]')"
     try:
         pynvml.nvmlInit()
     except Exception as err:  # NVMLError_LibraryNotFound / _DriverNotLoaded on a machine without a driver

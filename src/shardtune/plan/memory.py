@@ -55,7 +55,7 @@ CACHED_TRANSIENTS = 3.7
 # Eager float8 saves its bf16 inputs: no change.
 FLOAT8_ACTIVATIONS = 0.676
 # peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer),
-# loaded one layer at a time (train/loop.py), so the bf16 base is never whole on the GPU.
+# loaded one layer at a time (assemble.load_kept), so the bf16 base is never whole on the GPU.
 FLOAT8_BYTES = 1.0
 # CUDA context, cuBLAS / cuDNN handles and kernels loaded outside the caching allocator; NCCL's own
 # buffers when there is more than one process (NCCL_BUFFSIZE 4 MiB x channels x peers, ~0.5 GiB).

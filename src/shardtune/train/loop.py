@@ -229,17 +229,16 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
 
     spec = BACKENDS[cfg.parallel.backend]
     liger = use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type)
+    kernels = liger and liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile)
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
-                     spec.param_shards(cfg.parallel, ctx.world),
-                     liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile),
-                     float8=t.float8 or None)
+                     spec.param_shards(cfg.parallel, ctx.world), liger_kernels=kernels, float8=t.float8 or None)
     if built.adapters:  # checkpoints (hf/adapter_config.json) and the final adapter name a loadable base
         from shardtune.peft.lora import adapter_base
 
         built.model.peft_config["default"].base_model_name_or_path = adapter_base(cfg.model)[0]
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
     if liger:
-        _liger_loss(cfg, ctx, built, backend)
+        _liger_loss(cfg, ctx, built, backend, kernels)
     if t.float8:
         eager_lora = built.adapters and not cfg.parallel.compile and not built.kept
         log_rank0(ctx.rank, f"float8 ({t.float8}): {built.float8_layers} linear layers" + (
@@ -294,13 +293,12 @@ def _load_kept(built: BuiltModel, weights: Any, ctx: DistContext) -> None:
               + (f" ({added:.1f} GiB)" if added > 0 else ""))
 
 
-def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backend) -> None:
+def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backend, kernels: bool) -> None:
     """model.liger (its kernels went in with the model: assemble): Liger's fused linear + cross-entropy as the loss
     where the backend computes it in the model's forward (FSDP2, DDP), and the line that says what applies."""
     from shardtune.models.liger import install_fused_loss, liger_loss
     from shardtune.models.liger_rules import chunk_tokens, head_adapted
 
-    kernels = liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile)
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
     fused = hasattr(backend, "fused_loss") and not adapted_head
     if fused:
@@ -395,9 +393,8 @@ def _print_start(run: Run) -> None:
     if run.resume:
         log.print(f"resumed from {run.resume} at step {run.state.step}")
     if run.system is not None and run.system.nvml_error and run.ctx.device.type == "cuda":
-        hint = " (pip install -e '.[gpu-monitor]')" if "not installed" in run.system.nvml_error else ""
-        log.print(f"log.system: {run.system.nvml_error}{hint}; logging the process's memory (rss_gib) instead of "
-                  "GPU samples")
+        log.print(f"log.system: {run.system.nvml_error}; logging the process's memory (rss_gib) instead of GPU "
+                  "samples")
 
 
 @dataclass
