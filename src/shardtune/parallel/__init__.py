@@ -55,18 +55,13 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     spec = BACKENDS[cfg.parallel.backend]
     spec.refuse_unsupported(cfg)
     check_strategy(cfg.parallel)
-    if world is not None:  # hsdp's groups may span nodes: checked here, where the nodes are known
-        fsdp2.check_groups(cfg.parallel, world, nnodes)
-    spec.check(cfg, None if world is None else world * nnodes, device, candidate=candidate)  # the whole job
+    spec.check(cfg, None if world is None else world * nnodes, device, candidate=candidate, per_node=world)
 
 
 def describe(cfg: Config, world: int, *, nnodes: int = 1) -> str:
     """How the chosen backend runs the strategy on `world` processes per node of `nnodes` nodes (`shardtune
-    plan`). The backend is given every process of the job, and hsdp's auto shard_size as one node's processes."""
-    if cfg.parallel.strategy == "hsdp":
-        cfg = cfg.model_copy(deep=True)
-        cfg.parallel.shard_size = fsdp2.hsdp_shard_size(cfg.parallel, world * nnodes, world)
-    return BACKENDS[cfg.parallel.backend].describe(cfg, world * nnodes)
+    plan`)."""
+    return BACKENDS[cfg.parallel.backend].describe(cfg, world * nnodes, per_node=world)
 
 
 def memory_fixes(p: ParallelConfig, world: int) -> list[str]:

@@ -66,7 +66,8 @@ REFUSALS = {
 }
 
 
-def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
+def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False,
+          per_node: int | None = None) -> None:
     """DeepSpeed's refusals beyond SUPPORTS. `device` ("cuda"/"cpu"): the machine the run starts on, when known.
     With `world` (every process of the job), also the DeepSpeed config the backend would build, through DeepSpeed's
     own parser (conflicts with the `deepspeed:` section, misspelt keys). A planner's `candidate` is only checked
@@ -106,7 +107,7 @@ def _needs_deepspeed(why: str) -> str:
             "shardtune checkout, or use parallel.backend=fsdp2")
 
 
-def describe(cfg: Config, world: int) -> str:
+def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
     return f"DeepSpeed ZeRO stage {STAGES[cfg.parallel.strategy]}"
 
 

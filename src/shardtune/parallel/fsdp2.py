@@ -91,10 +91,13 @@ REFUSALS = {
 }
 
 
-def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False) -> None:
-    """FSDP2's refusals beyond SUPPORTS (`world`: every process of the job, when known). hsdp's groups are checked
-    against the whole job by parallel.check (check_groups), which knows the nodes."""
+def check(cfg: Config, world: int | None = None, device: str | None = None, *, candidate: bool = False,
+          per_node: int | None = None) -> None:
+    """FSDP2's refusals beyond SUPPORTS (`world`: every process of the job, when known; `per_node`: one node's,
+    hsdp's auto group, default `world`)."""
     p = cfg.parallel
+    if world is not None and p.strategy == "hsdp":  # a group may span nodes, so it divides the whole job
+        hsdp_shard_size(p, world, per_node or world)
     if cfg.optim.fused is True and uses_sharded_scaler(p, cfg.train.precision):
         raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
                              "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
@@ -127,15 +130,9 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
                              "parallel.activation_offload=false")
 
 
-def check_groups(parallel: ParallelConfig, per_node: int, nnodes: int) -> None:
-    """hsdp: parallel.shard_size must divide the job's `per_node` x `nnodes` processes (auto: one node's)."""
-    if parallel.strategy == "hsdp":
-        hsdp_shard_size(parallel, per_node * nnodes, per_node)
-
-
-def describe(cfg: Config, world: int) -> str:
-    """How FSDP2 runs the strategy (`shardtune plan`); `world`: every process of the job (parallel.describe
-    gives hsdp's auto shard_size resolved to one node's processes)."""
+def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
+    """How FSDP2 runs the strategy (`shardtune plan`); `world`: every process of the job, `per_node`: one node's
+    (hsdp's auto group; default `world`)."""
     p = cfg.parallel
     if p.strategy == "ddp":
         return "torch DDP (replicated)"
@@ -143,7 +140,7 @@ def describe(cfg: Config, world: int) -> str:
         return ("one process without FSDP2: compute-dtype weights in the model, fp32 masters in the optimizer "
                 "(parallel.one_gpu: direct)")
     if p.strategy == "hsdp":
-        shard = hsdp_shard_size(p, world, world)  # an explicit size here (parallel.describe resolves auto)
+        shard = hsdp_shard_size(p, world, per_node or world)
         return (f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard "
                 f"{shard}) mesh")
     return f"FSDP2 fully_shard(reshard_after_forward={p.strategy == 'zero3'}) per decoder block"

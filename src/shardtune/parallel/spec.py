@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from shardtune.errors import ShardtuneError
 
@@ -30,6 +30,15 @@ SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
 }
 
 
+class CheckFn(Protocol):
+    def __call__(self, cfg: Config, world: int | None = None, device: str | None = None, *,
+                 candidate: bool = False, per_node: int | None = None) -> None: ...
+
+
+class DescribeFn(Protocol):
+    def __call__(self, cfg: Config, world: int, *, per_node: int | None = None) -> str: ...
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One entry of `parallel.BACKENDS`, declared in the backend's own module.
@@ -37,8 +46,9 @@ class BackendSpec:
     supports:  config key (SUPPORT_KEYS) -> the values this backend runs; the planner picks among them.
     refusals:  (key, value) -> the one-line message (with its fix) for each value it does not run.
     make:      builds the backend for a run: (cfg, ctx, loss) -> Backend.
-    check:     its other refusals: (cfg, world or None, device type or None); world = every process of the job.
-    describe:  (cfg, world) -> how it runs the strategy, as `shardtune plan` prints it.
+    check:     its other refusals: (cfg, world or None, device type or None, *, candidate, per_node); world = every
+               process of the job, per_node = one node's (None: world).
+    describe:  (cfg, world, *, per_node) -> how it runs the strategy, as `shardtune plan` prints it.
     checkpoint_format: the on-disk format of its checkpoints (a name in checkpoint.formats).
     param_shards: (parallel, world) -> over how many ranks it splits each parameter at rest (1: every rank
                holds whole parameters); QLoRA sizes its NF4 blocks for it.
@@ -47,8 +57,8 @@ class BackendSpec:
     supports: dict[str, tuple[str, ...]]
     refusals: dict[tuple[str, str], str]
     make: Callable[[Config, DistContext, LossFn], Backend]
-    check: Callable[[Config, int | None, str | None], None]
-    describe: Callable[[Config, int], str]
+    check: CheckFn
+    describe: DescribeFn
     checkpoint_format: str
     param_shards: Callable[[ParallelConfig, int], int]
 
