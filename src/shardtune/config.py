@@ -30,9 +30,10 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
     seed: int = Field(0, description="Seed of a preset's random init (same weights as `init-model --seed`).")
     liger: bool | Literal["auto", "loss"] = Field(
-        False, description="Liger-Kernel (CUDA, liger-kernel installed): true = its RMSNorm, RoPE and SwiGLU kernels "
-                           "and fused linear + cross-entropy; loss = the fused loss only; auto = where it can run, "
-                           "the fused loss only under parallel.compile (Inductor fuses the rest), else all.")
+        "auto", description="Liger-Kernel (CUDA, liger-kernel installed): true = its RMSNorm, RoPE and SwiGLU kernels "
+                            "and fused linear + cross-entropy; loss = the fused loss only; auto = where it can run, "
+                            "the fused loss only under parallel.compile (Inductor fuses the rest), else all; "
+                            "false = never.")
     liger_chunk: int | Literal["auto"] = Field(
         "auto", description="Tokens whose logits Liger's fused loss makes at once (a power of two near it; never "
                             "fewer than Liger's own choice, about tokens x hidden / vocab: 256 at 1B, micro-batch "

@@ -162,6 +162,26 @@ def test_the_plan_counts_the_fused_loss_only_where_it_runs() -> None:
         assert liger_applies(cfg, hf, cpu) is False
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_default_plan_takes_ligers_fused_loss_where_it_is_installed(monkeypatch, installed) -> None:
+    """model.liger defaults to auto: a plain 1B config planned for an H200 is priced with Liger's fused loss (no
+    logits held) where liger-kernel is installed, and with the whole logits where it is not."""
+    from conftest import ROOT
+
+    from shardtune.models import liger_rules
+    from shardtune.models.build import load_hf_config
+    from shardtune.plan.hardware import GPUS
+
+    monkeypatch.setattr(liger_rules, "liger_installed", lambda: installed)
+    cfg = load_config(str(ROOT / "examples" / "llama-1b.yaml"), ["model.liger_chunk=0"])
+    assert cfg.model.liger == "auto"
+    plan = make_plan(cfg, load_hf_config(cfg.model), GPUS["h200"], world=1, per_node=1)
+    setting, memory = plan.configured.setting, plan.configured.memory
+    assert setting.fused_loss_runs is installed and setting.liger_kernels is False  # compiled: the loss only
+    logits = 4 * 2048 * 128256 * 2  # the micro-batch's bf16 logits
+    assert (memory.terms.get("logits", 0.0) >= logits) is not installed
+
+
 def test_activation_formula_matches_autograds_saved_tensors() -> None:
     """Cross-check against PyTorch itself: the bytes autograd saves in one real decoder block (bf16, sdpa, on
     CPU), parameters and the cos/sin tables shared by every layer left out."""

@@ -45,7 +45,7 @@ from shardtune.metrics.memory_snapshot import MemorySnapshot
 from shardtune.metrics.profile import StepProfiler
 from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
-from shardtune.models.liger_rules import liger_kernels_wanted, use_liger
+from shardtune.models.liger_rules import LIGER_MODEL_TYPES, liger_kernels_wanted, use_liger
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
@@ -239,6 +239,9 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
     if liger:
         _liger_loss(cfg, ctx, built, backend, kernels)
+    elif cfg.model.liger == "auto" and ctx.device.type == "cuda" and hf_config.model_type in LIGER_MODEL_TYPES:
+        log_rank0(ctx.rank, "liger: not installed, so the loss makes the whole logits; pip install 'shardtune[liger]' "
+                            "for Liger's fused loss (model.liger: auto takes it where installed)")
     if t.float8:
         eager_lora = built.adapters and not cfg.parallel.compile and not built.kept
         log_rank0(ctx.rank, f"float8 ({t.float8}): {built.float8_layers} linear layers" + (
