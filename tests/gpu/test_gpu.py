@@ -59,6 +59,22 @@ def test_host_copy_reads_its_values_without_waiting_for_later_work():
     torch.cuda.synchronize()
 
 
+def test_a_batch_reaches_the_gpu_without_the_host_waiting_for_queued_kernels():
+    """data.to_device (each micro-batch of the loop): the copy queues behind the GPU's work and the host goes on,
+    so the queue never drains at a micro-batch's start; the values arrive."""
+    from shardtune.data import Batch, to_device
+
+    ids = torch.arange(4 * 2048).reshape(4, 2048)
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the copy
+    busy = torch.cuda.Event()
+    busy.record()
+    moved = to_device(batch, torch.device("cuda"))
+    assert not busy.query()  # the host is back while the GPU still sleeps
+    assert moved.input_ids.is_cuda and moved.input_ids.cpu().equal(ids)
+
+
 @pytest.mark.parametrize("peft", ["lora", "qlora"])
 def test_direct_trains_peft_as_fsdp2_on_one_gpu(tmp_path, peft):
     """parallel.one_gpu: direct (LoRA's matrices cast in their forward, clipping inside fused AdamW) against FSDP2

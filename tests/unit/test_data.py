@@ -16,6 +16,7 @@ from shardtune.data import (
     collate,
     eval_batches,
     eval_num_batches,
+    to_device,
 )
 from shardtune.data.formats import RenderSpec, RowEncoder
 from shardtune.data.synthetic import DEFAULT_N, DEFAULT_SEED, generate
@@ -97,6 +98,24 @@ def test_collate_shapes_padding_and_masks():
     assert b.num_tokens == 8
     assert b.num_target_tokens == 4
     assert b.to("cpu").input_ids.equal(b.input_ids)
+
+
+def test_a_packed_batch_moves_whole_and_pins_only_for_a_gpu(monkeypatch):
+    """to_device carries every field (a packed batch's positions and document ids too); on a CPU it neither pins
+    (a CPU-only torch cannot) nor copies asynchronously."""
+    from shardtune.data.packing import collate_packed
+
+    rows = [[Example([1, 5, 2], [-100, 5, 2]), Example([1, 7], [-100, 7])], [Example([1, 9, 9, 2], [-100, 9, 9, 2])]]
+    b = collate_packed(rows, seq_len=6, pad_id=0)
+    assert b.is_packed
+    monkeypatch.setattr(Batch, "pin_memory", lambda self: pytest.fail("pinned on a CPU"))
+    moved = to_device(b, torch.device("cpu"))
+    for name in ("input_ids", "attention_mask", "labels", "position_ids", "document_ids"):
+        assert getattr(moved, name).equal(getattr(b, name)), name
+    pinned = []
+    monkeypatch.setattr(Batch, "pin_memory", lambda self: pinned.append(self) or self)
+    monkeypatch.setattr(Batch, "to", lambda self, device, non_blocking=False: (device, non_blocking))
+    assert to_device(b, torch.device("cuda", 0)) == (torch.device("cuda", 0), True) and pinned == [b]
 
 
 def test_num_target_tokens_ignores_position_zero():

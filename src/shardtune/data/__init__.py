@@ -4,7 +4,8 @@ The pipeline (shardtune.data.pipeline.build_data) joins the stages; this package
 exports the light pieces the loop uses per step.
 """
 
-from shardtune.data.batch import IGNORE_INDEX, Batch, Example, collate
+from shardtune.data.batch import IGNORE_INDEX, Batch, Example, collate, to_device
 from shardtune.data.sampler import StepSampler, eval_batches, eval_num_batches
 
-__all__ = ["IGNORE_INDEX", "Batch", "Example", "StepSampler", "collate", "eval_batches", "eval_num_batches"]
+__all__ = ["IGNORE_INDEX", "Batch", "Example", "StepSampler", "collate", "eval_batches", "eval_num_batches",
+           "to_device"]

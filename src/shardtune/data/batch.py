@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,17 +47,16 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """A copy with every tensor on ``device``."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
+    def pin_memory(self) -> Batch:
+        """A copy in page-locked host memory (needs CUDA)."""
+        return self._map(torch.Tensor.pin_memory)
 
-        return Batch(
-            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
-            attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
-            labels=self.labels.to(device, non_blocking=non_blocking),
-            position_ids=move(self.position_ids),
-            document_ids=move(self.document_ids),
-        )
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        return Batch(input_ids=fn(self.input_ids), attention_mask=fn(self.attention_mask), labels=fn(self.labels),
+                     position_ids=None if self.position_ids is None else fn(self.position_ids),
+                     document_ids=None if self.document_ids is None else fn(self.document_ids))
 
     @property
     def is_packed(self) -> bool:
@@ -73,6 +72,16 @@ class Batch:
     def num_tokens(self) -> int:
         """Non-padding tokens: ``attention_mask.sum()``."""
         return int(self.attention_mask.sum())
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch on `device` without making the host wait. From pageable memory a host-to-GPU copy may first wait
+    for every kernel queued on the stream (CUDA's API sync behaviour: the driver stages it through pinned memory),
+    so the GPU's queue would drain at each micro-batch; from pinned memory it is queued behind them and the host
+    goes on (torch's pinned allocator keeps the block until the copy has run)."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 def blank_rows(n: int, seq_len: int, pad_id: int,

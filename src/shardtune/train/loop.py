@@ -33,7 +33,7 @@ from shardtune.checkpoint.layout import (
 from shardtune.checkpoint.outdir import check_final_dir
 from shardtune.checkpoint.runlock import lock_run_dir
 from shardtune.config import Config, TrainConfig, dump_config, parse_size
-from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches
+from shardtune.data import Batch, StepSampler, eval_batches, eval_num_batches, to_device
 from shardtune.data.pipeline import DataBundle, build_data, skipped_line
 from shardtune.dist import DistContext, HostCopy, all_gather_floats, all_reduce_sum, init_distributed
 from shardtune.errors import ShardtuneError
@@ -240,8 +240,8 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     if liger:
         _liger_loss(cfg, ctx, built, backend, kernels)
     elif cfg.model.liger == "auto" and ctx.device.type == "cuda" and hf_config.model_type in LIGER_MODEL_TYPES:
-        log_rank0(ctx.rank, "liger: not installed, so the loss makes the whole logits; pip install 'shardtune[liger]' "
-                            "for Liger's fused loss (model.liger: auto takes it where installed)")
+        log_rank0(ctx.rank, "liger: not installed, so the loss makes the whole logits; pip install liger-kernel (or "
+                            "-e '.[liger]' in the checkout) for Liger's fused loss (model.liger: auto takes it then)")
     if t.float8:
         eager_lora = built.adapters and not cfg.parallel.compile and not built.kept
         log_rank0(ctx.rank, f"float8 ({t.float8}): {built.float8_layers} linear layers" + (
@@ -441,7 +441,7 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
     for k, batch in enumerate(micro):
         if run.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        step_loss += backend.forward_backward(batch.to(ctx.device, non_blocking=True), normalizer,
+        step_loss += backend.forward_backward(to_device(batch, ctx.device), normalizer,
                                               sync_grads=k == len(micro) - 1)
     _TEST_NAN[0] = 1.0
     before = run.pending
