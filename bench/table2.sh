@@ -23,7 +23,9 @@ fi
 S=${SRC:-$PWD/src}  # the shardtune tree the runs import (an earlier commit's, unpacked into .ab_src: bench/ab_1b.sh)
 echo "== shardtune from $S"
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$S || export PYTHONPATH=$S${PYTHONPATH:+:$PYTHONPATH}
-RUNS=${RUNS-lora:1,lora:1:lg} BASELINES=${BASELINES-lora:1:lg,lora:1}
+# Defaults: table 2 as the README quotes it (compiled blocks, Liger's fused loss, the one-GPU defaults) against
+# HF + PEFT + Liger and HF + PEFT; table 3: RUNS=qlora:1:c:lgl BASELINES=qlora:1:lg,qlora:1.
+RUNS=${RUNS-lora:1:c:lgl} BASELINES=${BASELINES-lora:1:lg,lora:1}
 W=/tmp/shardtune_peft
 rm -rf "$W"
 python3 bench/peft_bench.py --size "${SIZE:-8b}" --runs "$RUNS" --baselines "$BASELINES" --first baselines \
