@@ -628,3 +628,41 @@ def test_a_float8_base_is_one_byte_per_adapted_weight(eight_b):
     assert saved == pytest.approx(eight_b.target_params * 1.0)  # 2 bytes -> 1 for every adapted weight
     assert saved / GIB == pytest.approx(6.5, abs=0.5)
     assert gpu_memory(eight_b, base).allocated - gpu_memory(eight_b, cached).allocated == pytest.approx(saved)
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_the_plan_prices_compile_and_liger_where_the_run_goes_without(monkeypatch, installed) -> None:
+    """`shardtune plan` names the opt-in settings the chosen run goes without on a GPU, priced: parallel.compile
+    where the backend runs it and it pays 5%, and liger-kernel where model.liger: auto cannot take it here."""
+    from conftest import ROOT
+
+    from shardtune.models import liger_rules
+    from shardtune.models.build import load_hf_config
+    from shardtune.plan.hardware import GPUS
+    from shardtune.plan.report import summary_lines
+
+    monkeypatch.setattr(liger_rules, "liger_installed", lambda: installed)
+    one_b = str(ROOT / "examples" / "llama-1b.yaml")
+
+    def lines(*overrides: str, gpu: str = "h200"):
+        cfg = load_config(one_b, list(overrides))
+        hw = GPUS["h200"] if gpu == "h200" else replace(GPUS["h200"], name="cpu")
+        plan = make_plan(cfg, load_hf_config(cfg.model), hw, world=1, per_node=1)
+        return plan, {line.split()[0]: line for line in summary_lines(plan)}
+
+    plan, said = lines("parallel.compile=false", "model.liger=false")
+    compiled = plan.alternatives["compile"]
+    assert compiled.setting.compile and compiled.time.tokens_per_sec_per_gpu > 1.05 * \
+        plan.chosen().time.tokens_per_sec_per_gpu
+    assert f"parallel.compile=true: {compiled.time.tokens_per_sec_per_gpu:,.0f} tokens/s" in said["compile"]
+    assert "liger" not in said  # turned off: not advice
+    plan, said = lines("parallel.compile=false")
+    assert ("liger" in said) is not installed and ("liger" in plan.to_json()["alternatives"]) is not installed
+    if not installed:
+        liger = plan.alternatives["liger"]
+        assert liger.setting.fused_loss_runs and liger.memory.terms.get("logits", 0.0) == 0.0
+        assert "pip install liger-kernel" in said["liger"] and "the logits are never made" in said["liger"]
+    assert "compile" not in lines()[1]  # already compiled
+    assert "compile" not in lines("parallel.compile=false", "parallel.backend=deepspeed",
+                                  "parallel.strategy=zero3")[0].alternatives  # a combination DeepSpeed refuses
+    assert lines("parallel.compile=false", gpu="cpu")[0].alternatives == {}

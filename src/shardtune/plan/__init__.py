@@ -12,7 +12,7 @@ hardware); it reads config.json only (the model is built on the meta device) and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class Plan:
     shape: ModelShape
     result: Search
     auto: tuple[str, ...]  # the config keys left to the planner
+    # Opt-in settings the chosen run goes without, priced with it (alternatives): "compile", "liger"
+    alternatives: dict[str, Candidate] = field(default_factory=dict)
 
     @property
     def pick(self) -> Candidate | None:
@@ -79,6 +81,7 @@ class Plan:
             "reason": self.reason(),
             "refused": {"/".join(k[:3]) + ("/activation_offload" if k[3] else ""): v
                         for k, v in self.result.refused.items()},
+            "alternatives": {name: c.to_json() for name, c in self.alternatives.items()},
         }
 
 
@@ -179,6 +182,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p, t = new.parallel, new.train
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     p.activation_checkpointing, p.activation_offload = s.activation_checkpointing, s.activation_offload
+    p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
     _say_shard_frozen(p, s)
     if s.offload == "none" or not s.nvme:
         p.offload_nvme_path = None
@@ -230,7 +234,31 @@ def make_plan(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: 
     if free:
         keep = [c for c in result.candidates if c.usable and _only(base, c.setting, free)]
         result.pick = max(keep, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if keep else None
-    return Plan(hardware, shape, result, auto)
+    plan = Plan(hardware, shape, result, auto)
+    plan.alternatives = alternatives(cfg, hf_config, plan)
+    return plan
+
+
+def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
+    """The chosen run priced with what it goes without on a GPU: `compile` (parallel.compile=true, where the backend
+    runs it), `liger` (Liger's kernels and fused loss as model.liger: auto takes them, where auto cannot because
+    liger-kernel is not installed here). `shardtune plan` prints them (plan/report.py)."""
+    from shardtune.models.liger_rules import LIGER_MODEL_TYPES, head_adapted, liger_installed, liger_kernels_wanted
+    from shardtune.plan.search import price
+
+    s, out = plan.chosen().setting, {}
+    if getattr(plan.hardware, "name", "") == "cpu":
+        return out
+    if not s.compile:
+        kernels = s.liger_kernels and liger_kernels_wanted(cfg.model.liger, True)
+        compiled = s.replace(compile=True, liger_kernels=kernels)
+        if supported_by(cfg)(compiled) is None:
+            out["compile"] = compiled
+    if (cfg.model.liger == "auto" and getattr(hf_config, "model_type", "") in LIGER_MODEL_TYPES
+            and not head_adapted(cfg.peft.method, cfg.peft.target_modules) and not liger_installed()):
+        out["liger"] = s.replace(fused_loss=True, liger_kernels=liger_kernels_wanted("auto", s.compile))
+    return {name: price(plan.shape, alt, plan.hardware, plan.result.capacity, plan.result.host_capacity)
+            for name, alt in out.items()}
 
 
 def liger_applies(cfg: Any, hf_config: Any, hardware: Any) -> bool:
