@@ -126,6 +126,24 @@ def test_liger_backward_without_the_sync_gives_liger_s_gradients_bit_for_bit():
     assert grads["liger"][0].abs().max() > 0
 
 
+def test_the_default_takes_liger_where_it_is_installed(tmp_path):
+    """model.liger defaults to auto: on a GPU with liger-kernel, a plain config gets Liger's kernels and fused loss
+    (no compile), says so, and trains like model.liger=false to bf16's rounding of other kernels."""
+    pytest.importorskip("liger_kernel")
+    losses, logs = {}, {}
+    for name, extra in (("auto", []), ("off", ["model.liger=false"])):
+        out = tmp_path / name
+        proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
+                         "train.precision=bf16", "train.max_steps=20", "log.every=1", *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+        losses[name], logs[name] = [r["loss"] for r in records if "loss" in r], proc.stderr
+    assert "liger: RMSNorm, RoPE, SwiGLU kernels, fused linear + cross-entropy loss" in logs["auto"]
+    assert "liger:" not in logs["off"]
+    assert losses["auto"][0] == pytest.approx(losses["off"][0], rel=0.01)
+    assert sum(losses["auto"][-5:]) / 5 == pytest.approx(sum(losses["off"][-5:]) / 5, rel=0.05)
+
+
 def test_float8_trains_like_bf16_on_the_gpu(tmp_path):
     """train.float8 on the GPU (torch._scaled_mm's float8 kernels, compute capability 8.9+), both recipes against
     bf16 on the tiny model: the same losses to float8's rounding over 20 steps, falling, and a plain export."""
