@@ -240,8 +240,9 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     if liger:
         _liger_loss(cfg, ctx, built, backend, kernels)
     elif cfg.model.liger == "auto" and ctx.device.type == "cuda" and hf_config.model_type in LIGER_MODEL_TYPES:
-        log_rank0(ctx.rank, "liger: not installed, so the loss makes the whole logits; pip install liger-kernel (or "
-                            "-e '.[liger]' in the checkout) for Liger's fused loss (model.liger: auto takes it then)")
+        log_rank0(ctx.rank, "liger: liger-kernel is not installed; pip install liger-kernel (or -e '.[liger]' in the "
+                            "checkout) and model.liger: auto takes its fused loss or kernels (`shardtune plan` prices "
+                            "them)")
     if t.float8:
         eager_lora = built.adapters and not cfg.parallel.compile and not built.kept
         log_rank0(ctx.rank, f"float8 ({t.float8}): {built.float8_layers} linear layers" + (
