@@ -54,9 +54,6 @@ CHUNK_DIRECT_AUTO_CALL = 47
 # model.liger_chunk: auto became 1024 for LoRA / QLoRA too after call 53 (nineteenth session); their earlier rows ran
 # with Liger's own chunk unless their overrides say otherwise.
 PEFT_CHUNK_AUTO_CALL = 54
-# model.liger became `auto` after call 67 (twenty-third session); earlier rows ran without Liger unless their overrides
-# say otherwise (auto counts only where liger-kernel is installed, so it matters where the test runs beside it).
-LIGER_AUTO_CALL = 68
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -85,8 +82,6 @@ def _predictions() -> list[tuple[dict, object]]:
         elif int(row["call"]) < PEFT_CHUNK_AUTO_CALL and any(o.startswith("peft.method=") and not o.endswith("none")
                                                            for o in overrides):
             overrides = ["model.liger_chunk=0", *overrides]
-        if int(row["call"]) < LIGER_AUTO_CALL:
-            overrides = ["model.liger=false", *overrides]
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured
