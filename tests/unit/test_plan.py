@@ -662,6 +662,8 @@ def test_the_plan_prices_compile_and_liger_where_the_run_goes_without(monkeypatc
         liger = plan.alternatives["liger"]
         assert liger.setting.fused_loss_runs and liger.memory.terms.get("logits", 0.0) == 0.0
         assert "pip install liger-kernel" in said["liger"] and "the logits are never made" in said["liger"]
+        assert "takes Liger's kernels and fused loss" in said["liger"]  # uncompiled: both
+        assert "liger" not in lines("parallel.backend=deepspeed")[0].alternatives  # compiled, plain loss: nothing
     assert "compile" not in lines()[1]  # already compiled
     assert "compile" not in lines("parallel.compile=false", "parallel.backend=deepspeed",
                                   "parallel.strategy=zero3")[0].alternatives  # a combination DeepSpeed refuses

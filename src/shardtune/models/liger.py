@@ -2,11 +2,11 @@
 model through Liger's own patching API, and its fused linear + cross-entropy, which never materialises the
 [tokens, vocab] logits (2 GiB of bf16 at Llama-3's 128k vocabulary, micro-batch 4, seq 2048).
 
-`model.liger`: false (default); true (the kernels and the fused loss, refused before start where they cannot
-run); loss (the fused loss only, refused likewise); auto (on when the run is on CUDA GPUs, liger-kernel is
-installed and the model type is one below: the fused loss only under `parallel.compile`, where Inductor fuses
-RMSNorm, RoPE and SwiGLU into the compiled blocks itself and Liger's kernels would only cut those graphs,
-else the kernels and the loss).
+`model.liger`: false; true (the kernels and the fused loss, refused before start where they cannot
+run); loss (the fused loss only, refused likewise); auto, the default (on when the run is on CUDA GPUs,
+liger-kernel is installed and the model type is one below: the fused loss only under `parallel.compile`,
+where Inductor fuses RMSNorm, RoPE and SwiGLU into the compiled blocks itself and Liger's kernels would only
+cut those graphs, else the kernels and the loss).
 
 shardtune computes its own loss (the sum of token losses, train/loss.py), so Liger's fused loss is not taken
 through HF's forward (Liger's `lce_forward` averages). Instead `install_fused_loss` gives the causal-LM

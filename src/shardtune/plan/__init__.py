@@ -256,7 +256,9 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
             out["compile"] = compiled
     if (cfg.model.liger == "auto" and getattr(hf_config, "model_type", "") in LIGER_MODEL_TYPES
             and not head_adapted(cfg.peft.method, cfg.peft.target_modules) and not liger_installed()):
-        out["liger"] = s.replace(fused_loss=True, liger_kernels=liger_kernels_wanted("auto", s.compile))
+        with_liger = s.replace(fused_loss=True, liger_kernels=liger_kernels_wanted("auto", s.compile))
+        if with_liger.fused_loss_runs or with_liger.liger_kernels:  # DeepSpeed with compile: auto takes nothing
+            out["liger"] = with_liger
     return {name: price(plan.shape, alt, plan.hardware, plan.result.capacity, plan.result.host_capacity)
             for name, alt in out.items()}
 

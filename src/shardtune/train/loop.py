@@ -239,7 +239,8 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
     if liger:
         _liger_loss(cfg, ctx, built, backend, kernels)
-    elif cfg.model.liger == "auto" and ctx.device.type == "cuda" and hf_config.model_type in LIGER_MODEL_TYPES:
+    elif (cfg.model.liger == "auto" and ctx.device.type == "cuda" and hf_config.model_type in LIGER_MODEL_TYPES
+          and (liger_kernels_wanted("auto", cfg.parallel.compile) or hasattr(backend, "fused_loss"))):
         log_rank0(ctx.rank, "liger: liger-kernel is not installed; pip install liger-kernel (or -e '.[liger]' in the "
                             "checkout) and model.liger: auto takes its fused loss or kernels (`shardtune plan` prices "
                             "them)")
