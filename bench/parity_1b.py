@@ -3,11 +3,13 @@
 Each run trains the same model (the preset's random init, model.seed) on the same data in the same order (train.seed)
 for --steps steps, logging every step; the reference is the plain eager path (no compile, no Liger, FSDP2 on one
 process, no checkpointing). The eager run is repeated (`eager2`) to show the noise floor of bf16 on the GPU (its
-atomics make two identical runs drift apart). A lever passes when its first step is within FIRST of the reference
-(the forward is the same computation), every step within STEP, and the mean of the last ten within TAIL (relative
-differences; float8 rows get the FLOAT8 bounds: another numeric recipe). The bounds are stated here and printed with
-the table; a bug that drops a gradient, mis-normalises the loss or skips an adapter moves a 50-step trajectory by
-more than them.
+atomics make two identical runs drift apart). A lever passes when its run ended cleanly with every step, said it
+applied (where that depends on the machine: Liger installed, float8 matmuls), its first step is within FIRST of the
+reference (the forward is the same computation), every step within STEP, and the mean of the last ten within TAIL
+(relative differences; float8 rows get the FLOAT8 bounds: another numeric recipe). Each set also runs a control that
+trains nothing (`frozen`, lr 1e-12): it must fall outside the bounds, else the set's learning rate and steps cannot
+tell a lever that breaks training from one that keeps it (the table says so). The LoRA / QLoRA sets train at lr 2e-4
+so that their adapters move the loss in 50 steps.
 
     # on the GPU machine (after the wheel install; PYTHONPATH=/tmp/site:src); a 1B run is ~30-60 s (compile), so
     # the full set takes two calls:
@@ -15,7 +17,7 @@ more than them.
         --out $OUT/a --budget 540
     python3 bench/parity_1b.py --set full --variants selective,full_ac,act_offload,defaults,float8,float8_defaults \
         --out $OUT/b --budget 540
-    python3 bench/parity_1b.py --set lora --out $OUT/lora --budget 540
+    python3 bench/parity_1b.py --set lora --out $OUT/lora --budget 540   # then --set qlora, --set deepspeed
     # CPU dry run (fp32, where the levers that run on a CPU must match to rounding):
     python3 bench/parity_1b.py --set full --preset tiny-llama --precision fp32 --seq 128 --mbs 2 --steps 6 \\
         --variants eager2,direct,selective,full_ac,act_offload --out /tmp/parity
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -39,13 +42,17 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = {
     "full": ["parallel.strategy=zero2", "parallel.compile=false", "model.liger=false", "model.liger_chunk=0",
              "parallel.one_gpu=fsdp2", "parallel.activation_checkpointing=none"],
-    "lora": ["peft.method=lora", "peft.r=16", "parallel.strategy=zero2", "parallel.compile=false",
+    "lora": ["peft.method=lora", "peft.r=16", "train.lr=2e-4", "parallel.strategy=zero2", "parallel.compile=false",
              "model.liger=false", "model.liger_chunk=0", "parallel.one_gpu=fsdp2",
              "parallel.activation_checkpointing=full"],
-    "qlora": ["peft.method=qlora", "peft.r=16", "parallel.strategy=zero2", "parallel.compile=false",
+    "qlora": ["peft.method=qlora", "peft.r=16", "train.lr=2e-4", "parallel.strategy=zero2", "parallel.compile=false",
               "model.liger=false", "model.liger_chunk=0", "parallel.one_gpu=fsdp2",
               "parallel.activation_checkpointing=full"],
+    # DeepSpeed's own reference (its bf16 masters start from bf16-rounded weights, FSDP2's from fp32)
+    "deepspeed": ["parallel.backend=deepspeed", "parallel.strategy=zero2", "parallel.compile=false",
+                  "model.liger=false", "parallel.activation_checkpointing=none"],
 }
+CONTROL = "frozen"  # trains nothing: must fall outside the bounds
 F8 = "train.float8=tensorwise"
 VARIANTS = {
     "full": {
@@ -79,7 +86,18 @@ VARIANTS = {
         "compile": ["parallel.compile=true"],
         "defaults": ["parallel.compile=true", "model.liger=auto", "model.liger_chunk=auto", "parallel.one_gpu=auto"],
     },
+    "deepspeed": {  # model.liger: auto takes Liger's kernels here (no compile; DeepSpeed keeps the plain loss)
+        "eager2": [],
+        "liger_auto": ["model.liger=auto"],
+        "compile": ["parallel.compile=true"],
+    },
 }
+for _variants in VARIANTS.values():
+    _variants[CONTROL] = ["train.lr=1e-12"]
+# What a run's log says when a lever that depends on the machine applied (Liger installed, float8 matmuls).
+EXPECT = {"liger_loss": "fused linear + cross-entropy", "liger_chunk": "fused linear + cross-entropy",
+          "liger_kernels": "RMSNorm, RoPE, SwiGLU kernels", "liger_auto": "RMSNorm, RoPE, SwiGLU kernels",
+          **{name: "float8 (tensorwise)" for name in ("float8", "float8_defaults", "float8_base")}}
 # Relative bounds: (first step, every step, mean of the last ten steps).
 BOUNDS = {"bf16": (0.005, 0.02, 0.01), "float8": (0.01, 0.04, 0.02), "fp32": (1e-5, 1e-4, 1e-4)}
 
@@ -98,7 +116,8 @@ def losses_of(run_dir: Path) -> list[float]:
 
 
 def compare(ref: list[float], got: list[float], bound: tuple[float, float, float]) -> dict:
-    """Relative differences of `got` from `ref` over their common steps, and whether they are within `bound`."""
+    """Relative differences of `got` from `ref` over their common steps, and whether they are within `bound`
+    (every step of the reference logged by both)."""
     n = min(len(ref), len(got))
     if n == 0:
         return {"steps": 0, "ok": False}
@@ -120,6 +139,7 @@ def make_data(path: Path, seq: int) -> None:
 
 def run(name: str, overrides: list[str], args: argparse.Namespace, data: Path, timeout: float) -> dict:
     out_dir = args.out / "runs" / name
+    shutil.rmtree(out_dir, ignore_errors=True)  # never read an earlier call's metrics for a run that failed now
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", "1",
            "--overwrite", f"model.preset={args.preset}", f"data.train_file={data}", "data.eval_fraction=0",
            f"train.precision={args.precision}", f"train.seq_len={args.seq}", f"train.micro_batch_size={args.mbs}",
@@ -133,12 +153,30 @@ def run(name: str, overrides: list[str], args: argparse.Namespace, data: Path, t
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    tail = log.read_text().strip().splitlines()[-3:] if rc else []
+    text = log.read_text()
+    tail = text.strip().splitlines()[-3:] if rc else []
+    applied = EXPECT.get(name) is None or EXPECT[name] in text
     return {"name": name, "overrides": overrides, "rc": rc, "seconds": round(time.time() - t0, 1),
-            "losses": losses_of(out_dir), "tail": tail}
+            "losses": losses_of(out_dir), "tail": tail, "applied": applied}
 
 
-def table(set_name: str, rows: list[dict], args: argparse.Namespace) -> str:
+def verdict(r: dict, ref_ok: bool) -> tuple[bool, str]:
+    """Whether row `r` passes, and the table's word for it."""
+    c = r.get("cmp") or {}
+    within = bool(c.get("ok"))
+    if r["name"] == CONTROL:
+        return not within, ("differs (as it must)" if not within and c.get("steps") else
+                            "CONTROL WITHIN BOUNDS: this set cannot tell a broken lever" if within else "no losses")
+    if not ref_ok:
+        return False, "no reference"
+    if r["rc"] != 0:
+        return False, "failed" + (f": {r['tail'][-1][:120]}" if r.get("tail") else "")
+    if not r.get("applied", True):
+        return False, f"NOT APPLIED (no '{EXPECT[r['name']]}' in its log)"
+    return within, "yes" if within else "NO"
+
+
+def table(set_name: str, rows: list[dict], args: argparse.Namespace, ref_ok: bool) -> str:
     head = (f"{set_name}: {args.preset}, {args.precision}, seq {args.seq}, micro-batch {args.mbs}, {args.steps} steps "
             f"against `{'`, `'.join(REFERENCE[set_name])}`; bounds (first, every step, last-ten mean): "
             + ", ".join(f"{k} {b[0]:.0e} / {b[1]:.0e} / {b[2]:.0e}" for k, b in BOUNDS.items() if k != "fp32"
@@ -148,14 +186,14 @@ def table(set_name: str, rows: list[dict], args: argparse.Namespace) -> str:
     for r in rows:
         c = r.get("cmp") or {}
         final = f"{r['losses'][-1]:.4f}" if r["losses"] else "-"
-        if not c or not c.get("steps"):
-            why = "reference" if r["name"] == "eager" else "no losses" + (f": {r['tail'][-1][:120]}" if r.get("tail")
-                                                                          else "")
-            lines.append(f"| {r['name']} | {' '.join(r['overrides'])} | {r['rc']} | {r['seconds']} | - | - | - | "
-                         f"{final} | {why.replace('|', '/')} |")
-            continue
-        lines.append(f"| {r['name']} | {' '.join(r['overrides'])} | {r['rc']} | {r['seconds']} | {c['first']:.2e} | "
-                     f"{c['max']:.2e} ({c['max_at']}) | {c['tail']:.2e} | {final} | {'yes' if c['ok'] else 'NO'} |")
+        if r["name"] == "eager":
+            word = "reference" if ref_ok else f"reference FAILED ({len(r['losses'])} of {args.steps} steps)"
+        else:
+            word = verdict(r, ref_ok)[1]
+        diffs = (f"{c['first']:.2e} | {c['max']:.2e} ({c['max_at']}) | {c['tail']:.2e}" if c.get("steps")
+                 else "- | - | -")
+        lines.append(f"| {r['name']} | {' '.join(r['overrides'])} | {r['rc']} | {r['seconds']} | {diffs} | {final} | "
+                     f"{word.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,11 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data or args.out / "long.jsonl"
     make_data(data, args.seq)
     wanted = [v for v in args.variants.split(",") if v] or list(VARIANTS[args.set_name])
+    wanted += [CONTROL] if CONTROL not in wanted else []  # every call shows whether its bounds can tell
     unknown = [v for v in wanted if v not in VARIANTS[args.set_name]]
     if unknown:
         print(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS[args.set_name])}")
         return 2
     ref = run("eager", REFERENCE[args.set_name], args, data, args.timeout)
+    ref_ok = ref["rc"] == 0 and len(ref["losses"]) == args.steps
     print(f"eager: rc {ref['rc']} in {ref['seconds']} s, {len(ref['losses'])} losses", flush=True)
     rows = [ref]
     for name in wanted:
@@ -197,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: rc {r['rc']} in {r['seconds']} s, {r['cmp']}", flush=True)
         rows.append(r)
     args.out.mkdir(parents=True, exist_ok=True)
-    text = table(args.set_name, rows, args)
+    text = table(args.set_name, rows, args, ref_ok)
     (args.out / f"parity_{args.set_name}.md").write_text(text)
     with (args.out / f"parity_{args.set_name}.jsonl").open("w") as f:
         for r in rows:

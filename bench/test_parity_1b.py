@@ -40,3 +40,21 @@ def test_losses_are_read_in_step_order_without_evaluations(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert parity_1b.losses_of(tmp_path) == [5.0, 4.0]
     assert parity_1b.losses_of(tmp_path / "missing") == []
+
+
+def test_a_row_passes_only_when_it_ran_applied_and_stayed_within():
+    ok_cmp = {"steps": 50, "ok": True}
+    row = {"name": "liger_loss", "rc": 0, "cmp": ok_cmp, "applied": True, "tail": []}
+    assert parity_1b.verdict(row, ref_ok=True) == (True, "yes")
+    assert not parity_1b.verdict(row, ref_ok=False)[0]  # no full reference: nothing passes
+    assert not parity_1b.verdict({**row, "rc": 2, "tail": ["error: model.liger: loss needs CUDA GPUs"]}, True)[0]
+    passed, word = parity_1b.verdict({**row, "applied": False}, True)
+    assert not passed and "NOT APPLIED" in word
+
+
+def test_the_control_must_fall_outside_the_bounds():
+    control = {"name": parity_1b.CONTROL, "rc": 0, "applied": True, "tail": []}
+    assert parity_1b.verdict({**control, "cmp": {"steps": 50, "ok": False}}, True) == (True, "differs (as it must)")
+    passed, word = parity_1b.verdict({**control, "cmp": {"steps": 50, "ok": True}}, True)
+    assert not passed and "cannot tell" in word
+    assert all(parity_1b.CONTROL in variants for variants in parity_1b.VARIANTS.values())
