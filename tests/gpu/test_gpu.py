@@ -66,7 +66,8 @@ def test_a_batch_reaches_the_gpu_without_the_host_waiting_for_queued_kernels():
 
     ids = torch.arange(4 * 2048).reshape(4, 2048)
     batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-    torch.cuda.synchronize()
+    to_device(batch, torch.device("cuda"))  # the pinned blocks, allocated once (an allocation may synchronize)
+    torch.cuda.synchronize()  # their copies done: the allocator hands the same blocks out again
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the copy
     busy = torch.cuda.Event()
     busy.record()
