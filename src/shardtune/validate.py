@@ -98,6 +98,16 @@ def check_trackers(cfg: Config) -> None:
                                  f"{PACKAGES[name]}, or remove log.{name}")
 
 
+def snapshot_breaks_recompute(memory_snapshot: list[int] | None, activation_checkpointing: str) -> bool:
+    """Whether recording log.memory_snapshot would break compiled blocks' recompute here (check_memory_snapshot):
+    a recording, checkpointing and PyTorch 2.11 or later. The planner asks it before it advises compile."""
+    import torch
+    from packaging.version import Version
+
+    return (memory_snapshot is not None and activation_checkpointing != "none"
+            and Version(torch.__version__).release >= (2, 11))
+
+
 def check_memory_snapshot(cfg: Config, device: str) -> None:
     """log.memory_snapshot records PyTorch's CUDA allocator: refused on other devices, and with compiled blocks
     under activation checkpointing from PyTorch 2.11 on, where recording the allocator's history makes the
@@ -110,7 +120,8 @@ def check_memory_snapshot(cfg: Config, device: str) -> None:
                              "remove log.memory_snapshot (or run on GPUs)")
     import torch
 
-    if cfg.parallel.compile and cfg.parallel.activation_checkpointing != "none" and torch.__version__ >= "2.11":
+    if cfg.parallel.compile and snapshot_breaks_recompute(cfg.log.memory_snapshot,
+                                                          cfg.parallel.activation_checkpointing):
         raise ShardtuneError(f"log.memory_snapshot: PyTorch {torch.__version__.split('+')[0]} fails in the "
                              "recompute of compiled blocks while it records (pytorch/pytorch#179536); record with "
                              "parallel.compile=false or parallel.activation_checkpointing=none, or remove "

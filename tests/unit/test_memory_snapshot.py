@@ -36,16 +36,18 @@ def test_compiled_blocks_under_checkpointing_are_refused_on_a_gpu_from_torch_2_1
     """PyTorch 2.11's allocator history breaks the recompute of compiled blocks (pytorch/pytorch#179536; both
     8B runs that recorded with compile and full checkpointing crashed on one H200): refused before launch."""
     import torch
+    from packaging.version import Version
 
     from shardtune.errors import ShardtuneError
-    from shardtune.validate import check_memory_snapshot
+    from shardtune.validate import check_memory_snapshot, snapshot_breaks_recompute
 
-    assert torch.__version__ >= "2.11"  # what CI and the GPU machine run
+    assert Version(torch.__version__).release >= (2, 11)  # what CI and the GPU machine run
     recorded = ["log.memory_snapshot=[3,3]", "parallel.compile=true"]
     for ac in ("full", "selective"):
         with pytest.raises(ShardtuneError, match=r"^log\.memory_snapshot: PyTorch .*\(pytorch/pytorch#179536"):
             check_memory_snapshot(load_config(TINY, [*recorded, f"parallel.activation_checkpointing={ac}"]), "cuda")
     check_memory_snapshot(load_config(TINY, recorded), "cuda")  # compiled, no checkpointing: records
+    assert snapshot_breaks_recompute([3, 3], "full") and not snapshot_breaks_recompute(None, "full")
     check_memory_snapshot(load_config(TINY, ["log.memory_snapshot=[3,3]", "parallel.activation_checkpointing=full"]),
                           "cuda")
 

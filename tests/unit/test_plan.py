@@ -668,3 +668,8 @@ def test_the_plan_prices_compile_and_liger_where_the_run_goes_without(monkeypatc
     assert "compile" not in lines("parallel.compile=false", "parallel.backend=deepspeed",
                                   "parallel.strategy=zero3")[0].alternatives  # a combination DeepSpeed refuses
     assert lines("parallel.compile=false", gpu="cpu")[0].alternatives == {}
+    # the config's own check would refuse compile with the recording and checkpointing (torch >= 2.11): no advice
+    assert "compile" in lines("parallel.compile=false", "parallel.activation_checkpointing=full")[0].alternatives
+    assert "compile" not in lines("parallel.compile=false", "parallel.activation_checkpointing=full",
+                                  "log.memory_snapshot=[3,3]")[0].alternatives
+    assert "compile" in lines("parallel.compile=false", "log.memory_snapshot=[3,3]")[0].alternatives

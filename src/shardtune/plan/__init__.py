@@ -241,10 +241,12 @@ def make_plan(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_node: 
 
 def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
     """The chosen run priced with what it goes without on a GPU: `compile` (parallel.compile=true, where the backend
-    runs it), `liger` (Liger's kernels and fused loss as model.liger: auto takes them, where auto cannot because
-    liger-kernel is not installed here). `shardtune plan` prints them (plan/report.py)."""
+    runs it and nothing in the config would refuse it), `liger` (Liger's kernels and fused loss as model.liger:
+    auto takes them, where auto cannot because liger-kernel is not installed here). `shardtune plan` prints them
+    (plan/report.py)."""
     from shardtune.models.liger_rules import LIGER_MODEL_TYPES, head_adapted, liger_installed, liger_kernels_wanted
     from shardtune.plan.search import price
+    from shardtune.validate import snapshot_breaks_recompute
 
     s, out = plan.chosen().setting, {}
     if getattr(plan.hardware, "name", "") == "cpu":
@@ -252,7 +254,8 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
     if not s.compile:
         kernels = s.liger_kernels and liger_kernels_wanted(cfg.model.liger, True)
         compiled = s.replace(compile=True, liger_kernels=kernels)
-        if supported_by(cfg)(compiled) is None:
+        if (supported_by(cfg)(compiled) is None
+                and not snapshot_breaks_recompute(cfg.log.memory_snapshot, s.activation_checkpointing)):
             out["compile"] = compiled
     if (cfg.model.liger == "auto" and getattr(hf_config, "model_type", "") in LIGER_MODEL_TYPES
             and not head_adapted(cfg.peft.method, cfg.peft.target_modules) and not liger_installed()):
