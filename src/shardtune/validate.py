@@ -98,16 +98,6 @@ def check_trackers(cfg: Config) -> None:
                                  f"{PACKAGES[name]}, or remove log.{name}")
 
 
-def snapshot_breaks_recompute(memory_snapshot: list[int] | None, activation_checkpointing: str) -> bool:
-    """Whether recording log.memory_snapshot would break compiled blocks' recompute here (check_memory_snapshot):
-    a recording, checkpointing and PyTorch 2.11 or later. The planner asks it before it advises compile."""
-    import torch
-    from packaging.version import Version
-
-    return (memory_snapshot is not None and activation_checkpointing != "none"
-            and Version(torch.__version__).release >= (2, 11))
-
-
 def check_memory_snapshot(cfg: Config, device: str) -> None:
     """log.memory_snapshot records PyTorch's CUDA allocator: refused on other devices, and with compiled blocks
     under activation checkpointing from PyTorch 2.11 on, where recording the allocator's history makes the
@@ -119,6 +109,8 @@ def check_memory_snapshot(cfg: Config, device: str) -> None:
         raise ShardtuneError(f"log.memory_snapshot: records PyTorch's CUDA allocator, and this run is on {device}; "
                              "remove log.memory_snapshot (or run on GPUs)")
     import torch
+
+    from shardtune.metrics.memory_snapshot import snapshot_breaks_recompute
 
     if cfg.parallel.compile and snapshot_breaks_recompute(cfg.log.memory_snapshot,
                                                           cfg.parallel.activation_checkpointing):

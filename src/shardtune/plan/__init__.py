@@ -244,9 +244,9 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
     runs it and nothing in the config would refuse it), `liger` (Liger's kernels and fused loss as model.liger:
     auto takes them, where auto cannot because liger-kernel is not installed here). `shardtune plan` prints them
     (plan/report.py)."""
+    from shardtune.metrics.memory_snapshot import snapshot_breaks_recompute
     from shardtune.models.liger_rules import LIGER_MODEL_TYPES, head_adapted, liger_installed, liger_kernels_wanted
     from shardtune.plan.search import price
-    from shardtune.validate import snapshot_breaks_recompute
 
     s, out = plan.chosen().setting, {}
     if getattr(plan.hardware, "name", "") == "cpu":
