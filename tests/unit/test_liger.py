@@ -14,6 +14,7 @@ from shardtune.data import Batch
 from shardtune.errors import ConfigError, ShardtuneError
 from shardtune.models.liger import install_fused_loss, reference_fused_loss
 from shardtune.models.liger_rules import (
+    auto_would_take,
     check_liger,
     chunk_tokens,
     fused_loss_chunk,
@@ -87,6 +88,20 @@ def test_which_kernels_each_setting_swaps_in():
     assert liger_kernels_wanted(True, compiled=True) and liger_kernels_wanted(True, compiled=False)
     assert not liger_kernels_wanted("loss", compiled=False) and not liger_kernels_wanted("loss", compiled=True)
     assert liger_kernels_wanted("auto", compiled=False) and not liger_kernels_wanted("auto", compiled=True)
+
+
+def test_what_auto_would_take_once_installed():
+    """The rule behind "pip install liger-kernel" (the run's start line and `shardtune plan`): auto takes the
+    kernels without compile, the fused loss where the backend computes it and the head has no adapter; nothing on
+    a CPU, on another model type, or for any other setting."""
+    def takes(setting="auto", device="cuda", model="llama", compiled=True, fused=True, head=False):
+        return auto_would_take(setting, device, model, compiled=compiled, computes_fused_loss=fused,
+                               adapted_head=head)
+
+    assert takes() and takes(compiled=False, fused=False) and takes(compiled=False, head=True)
+    assert not takes(fused=False) and not takes(head=True)  # compiled DeepSpeed; LoRA on lm_head under compile
+    assert not takes(device="cpu") and not takes(model="gpt2")
+    assert not takes(setting=True) and not takes(setting="loss") and not takes(setting=False)
 
 
 def test_validate_refuses_true_on_this_cpu_in_one_line(cli):

@@ -664,6 +664,9 @@ def test_the_plan_prices_compile_and_liger_where_the_run_goes_without(monkeypatc
         assert "pip install liger-kernel" in said["liger"] and "the logits are never made" in said["liger"]
         assert "takes Liger's kernels and fused loss" in said["liger"]  # uncompiled: both
         assert "liger" not in lines("parallel.backend=deepspeed")[0].alternatives  # compiled, plain loss: nothing
+        head = lines("parallel.compile=false", "peft.method=lora", "peft.target_modules=[q_proj,lm_head]")[1]
+        assert "takes Liger's kernels:" in head["liger"] and "logits" not in head["liger"]  # the loss stays plain
+        assert "liger" not in lines("peft.method=lora", "peft.target_modules=[q_proj,lm_head]")[1]  # compiled
     assert "compile" not in lines()[1]  # already compiled
     assert "compile" not in lines("parallel.compile=false", "parallel.backend=deepspeed",
                                   "parallel.strategy=zero3")[0].alternatives  # a combination DeepSpeed refuses

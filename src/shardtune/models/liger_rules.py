@@ -61,6 +61,17 @@ def liger_kernels_wanted(setting: LigerSetting, compiled: bool) -> bool:
     return setting is True or (setting == "auto" and not compiled)
 
 
+def auto_would_take(setting: LigerSetting, device_type: str, model_type: str, *, compiled: bool,
+                    computes_fused_loss: bool, adapted_head: bool) -> bool:
+    """Whether model.liger: auto takes anything of Liger's on this run once liger-kernel is installed: its kernels
+    (without parallel.compile: liger_kernels_wanted) or its fused loss (where the backend computes the loss in the
+    model's forward and the LM head has no adapter: head_adapted). The run's start line and `shardtune plan` ask
+    it where liger-kernel is missing, so both say "install it" for the same runs."""
+    if setting != "auto" or device_type != "cuda" or model_type not in LIGER_MODEL_TYPES:
+        return False
+    return liger_kernels_wanted(setting, compiled) or (computes_fused_loss and not adapted_head)
+
+
 def chunk_tokens(setting: int | str) -> int:
     """model.liger_chunk resolved: auto = 1024 tokens (at least Liger's own chunk: fused_loss_chunk), for every
     method. Full fine-tuning reads and writes the LM head's fp32 gradient once per chunk (1B, one H200: +14%);

@@ -245,7 +245,7 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
     auto takes them, where auto cannot because liger-kernel is not installed here). `shardtune plan` prints them
     (plan/report.py)."""
     from shardtune.metrics.memory_snapshot import snapshot_breaks_recompute
-    from shardtune.models.liger_rules import LIGER_MODEL_TYPES, head_adapted, liger_installed, liger_kernels_wanted
+    from shardtune.models.liger_rules import auto_would_take, head_adapted, liger_installed, liger_kernels_wanted
     from shardtune.plan.search import price
 
     s, out = plan.chosen().setting, {}
@@ -257,11 +257,11 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
         if (supported_by(cfg)(compiled) is None
                 and not snapshot_breaks_recompute(cfg.log.memory_snapshot, s.activation_checkpointing)):
             out["compile"] = compiled
-    if (cfg.model.liger == "auto" and getattr(hf_config, "model_type", "") in LIGER_MODEL_TYPES
-            and not head_adapted(cfg.peft.method, cfg.peft.target_modules) and not liger_installed()):
-        with_liger = s.replace(fused_loss=True, liger_kernels=liger_kernels_wanted("auto", s.compile))
-        if with_liger.fused_loss_runs or with_liger.liger_kernels:  # DeepSpeed with compile: auto takes nothing
-            out["liger"] = with_liger
+    adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
+    if not liger_installed() and auto_would_take(cfg.model.liger, "cuda", getattr(hf_config, "model_type", ""),
+                                                 compiled=s.compile, adapted_head=adapted_head,
+                                                 computes_fused_loss=s.rules.computes_fused_loss):
+        out["liger"] = s.replace(fused_loss=not adapted_head, liger_kernels=liger_kernels_wanted("auto", s.compile))
     return {name: price(plan.shape, alt, plan.hardware, plan.result.capacity, plan.result.host_capacity)
             for name, alt in out.items()}
 

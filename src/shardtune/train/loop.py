@@ -45,7 +45,7 @@ from shardtune.metrics.memory_snapshot import MemorySnapshot
 from shardtune.metrics.profile import StepProfiler
 from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
-from shardtune.models.liger_rules import LIGER_MODEL_TYPES, liger_kernels_wanted, use_liger
+from shardtune.models.liger_rules import auto_would_take, head_adapted, liger_kernels_wanted, use_liger
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
@@ -239,8 +239,9 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     backend = make_backend(cfg, ctx, _with_test_nan(token_loss_sum))
     if liger:
         _liger_loss(cfg, ctx, built, backend, kernels)
-    elif (cfg.model.liger == "auto" and ctx.device.type == "cuda" and hf_config.model_type in LIGER_MODEL_TYPES
-          and (liger_kernels_wanted("auto", cfg.parallel.compile) or hasattr(backend, "fused_loss"))):
+    elif auto_would_take(cfg.model.liger, ctx.device.type, hf_config.model_type, compiled=cfg.parallel.compile,
+                         computes_fused_loss=hasattr(backend, "fused_loss"),
+                         adapted_head=head_adapted(cfg.peft.method, cfg.peft.target_modules)):
         log_rank0(ctx.rank, "liger: liger-kernel is not installed; pip install liger-kernel (or -e '.[liger]' in the "
                             "checkout) and model.liger: auto takes its fused loss or kernels (`shardtune plan` prices "
                             "them)")
@@ -302,7 +303,7 @@ def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backe
     """model.liger (its kernels went in with the model: assemble): Liger's fused linear + cross-entropy as the loss
     where the backend computes it in the model's forward (FSDP2, DDP), and the line that says what applies."""
     from shardtune.models.liger import install_fused_loss, liger_loss
-    from shardtune.models.liger_rules import chunk_tokens, head_adapted
+    from shardtune.models.liger_rules import chunk_tokens
 
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
     fused = hasattr(backend, "fused_loss") and not adapted_head
