@@ -191,3 +191,57 @@ def test_a_float8_lora_base_cast_once_gives_the_per_step_casts_losses(tmp_path):
     assert len(losses["float8"]) == 10
     for a, b in zip(losses["auto"], losses["float8"], strict=True):
         assert b == pytest.approx(a, rel=1e-3)
+
+
+def test_activation_offload_copies_out_without_the_host_waiting():
+    """parallel.activation_offload on a GPU: the copy out runs on a side stream behind the kernel that made the
+    tensor, so the host is back while the GPU still works (save_on_cpu's copy would wait for it); the copy back
+    gives the values, and the compute stream waits for it."""
+    from shardtune.parallel.prepare import ActivationOffload
+
+    hooks = ActivationOffload("cuda", min_bytes=0)
+    x = torch.randn(3 * (1 << 18) + 3, 2, device="cuda").t()  # 6 MiB + 24 bytes, not contiguous
+    want = x.clone()
+    hooks.pack_hook(x.clone())  # the pinned blocks, allocated once (an allocation may synchronize)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the copy
+    busy = torch.cuda.Event()
+    busy.record()
+    made = x * 1.0  # made after the sleep: the copy must wait for it
+    packed = hooks.pack_hook(made)
+    assert not busy.query()  # the host is back while the GPU still sleeps
+    del made  # freed while its copy may still be queued: record_stream keeps its memory
+    torch.cuda._sleep(100_000_000)
+    back = hooks.unpack_hook(packed) * 1.0  # used on the compute stream at once
+    assert torch.equal(back, want)
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "none"])
+def test_activation_offload_on_the_gpu_keeps_the_loss_and_gradients(checkpointing):
+    """The tiny model in fp32 on the GPU, every saved tensor through the side-stream copies: the loss and
+    gradients of the run without offload."""
+    from shardtune.config import load_config
+    from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
+    from shardtune.parallel import prepare
+
+    cfg = load_config(str(ROOT / "examples" / "tiny.yaml"), [f"parallel.activation_checkpointing={checkpointing}"])
+    ids = torch.randint(0, 250, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()
+    results = []
+    for offload in (False, True):
+        model = build_on_meta(load_hf_config(cfg.model), "sdpa").to_empty(device="cuda")
+        torch.manual_seed(0)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        restore_buffers(model, torch.device("cuda"))
+        model.train()
+        blocks = list(model.model.layers)
+        hooks = prepare.offload_activations(model, blocks, "cuda", min_bytes=0) if offload else None
+        prepare.checkpoint_and_compile(model, blocks, cfg.parallel, "cuda")
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_loss, plain_grads), (loss, grads) = results
+    assert hooks.moved_bytes > 0
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -84,12 +84,25 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     power-of-two pieces (power_of_two_pieces: pinned blocks are not rounded up). A tensor saved again, unchanged,
     while the hooks are on is copied once: every block saves the same RoPE cos and sin (5 GiB over 32 layers of
     the 8B shape at 327,680 tokens, were each copied). `moved_bytes` counts what went to the host since it was
-    made."""
+    made.
+
+    On GPUs both copies run on a side stream, overlapped with compute (as torchtune's OffloadActivations): the
+    copy out waits only for the kernel that made the tensor, and the host goes on (save_on_cpu's copy blocks the
+    host until the GPU has caught up, so the GPU's queue drains at every saved tensor); the copy back starts when
+    backward asks for the tensor, alongside the kernels still queued, and the compute stream waits for it just
+    before its first use. record_stream keeps each GPU tensor's memory from being reused by the other stream
+    before the work queued on it has run."""
 
     def __init__(self, device_type: str, min_bytes: int = OFFLOAD_MIN_BYTES) -> None:
         self.moved_bytes = 0
         self.copies: dict[int, tuple[weakref.ref, int, Any]] = {}  # id(tensor) -> (the tensor, its version, copy)
+        self.streams: dict[torch.device, Any] = {}  # device -> its side stream for the copies (CUDA)
         pin = device_type == "cuda"
+
+        def side_stream(device: torch.device) -> Any:
+            if device not in self.streams:
+                self.streams[device] = torch.cuda.Stream(device)
+            return self.streams[device]
 
         def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
             size = tensor.numel() * tensor.element_size()
@@ -99,27 +112,49 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
                 return True, seen[2]
             self.moved_bytes += size
-            flat, pieces, start = tensor.detach().reshape(-1), [], 0
-            for count in power_of_two_pieces(flat.numel(), max(1, OFFLOAD_MIN_BYTES // tensor.element_size())):
-                piece = torch.empty(count, dtype=flat.dtype, pin_memory=pin)
-                piece.copy_(flat[start:start + count])  # synchronous, as save_on_cpu's (the planner prices it so)
-                pieces.append(piece)
-                start += count
+            flat = tensor.detach().reshape(-1)
+            if pin and tensor.is_cuda:
+                side = side_stream(tensor.device)
+                side.wait_stream(torch.cuda.current_stream(tensor.device))  # the kernels that made it, no more
+                with torch.cuda.stream(side):
+                    pieces = copy_out(flat, non_blocking=True)
+                flat.record_stream(side)  # freed by compute while the copy may still read it: held until it ran
+            else:
+                pieces = copy_out(flat, non_blocking=False)
             self.copies[id(tensor)] = (weakref.ref(tensor), tensor._version, (tensor.device, tensor.shape,
                                                                                tensor.dtype, pieces))
             return True, self.copies[id(tensor)][2]
+
+        def copy_out(flat: torch.Tensor, non_blocking: bool) -> list[torch.Tensor]:
+            pieces, start = [], 0
+            for count in power_of_two_pieces(flat.numel(), max(1, OFFLOAD_MIN_BYTES // flat.element_size())):
+                piece = torch.empty(count, dtype=flat.dtype, pin_memory=pin)
+                piece.copy_(flat[start:start + count], non_blocking=non_blocking)
+                pieces.append(piece)
+                start += count
+            return pieces
 
         def unpack(packed: tuple[bool, Any]) -> torch.Tensor:
             moved, value = packed
             if not moved:
                 return value
             device, shape, dtype, pieces = value
-            out = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=device)
+            numel = sum(p.numel() for p in pieces)
+            if not (pin and device.type == "cuda"):
+                return copy_in(torch.empty(numel, dtype=dtype, device=device), pieces).view(shape)
+            compute, side = torch.cuda.current_stream(device), side_stream(device)
+            with torch.cuda.stream(side):  # after the copy out on the same stream
+                out = copy_in(torch.empty(numel, dtype=dtype, device=device), pieces)
+            compute.wait_stream(side)
+            out.record_stream(compute)  # made on the side stream, used and freed on the compute stream
+            return out.view(shape)
+
+        def copy_in(out: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
             start = 0
             for piece in pieces:
                 out[start:start + piece.numel()].copy_(piece, non_blocking=pin)
                 start += piece.numel()
-            return out.view(shape)
+            return out
 
         super().__init__(pack, unpack)
 

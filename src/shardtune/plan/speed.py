@@ -221,7 +221,8 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     parameters come back over PCIe, and the node's CPU runs AdamW over the node's partitions (ranks on a
     node share its cores); NVMe adds reading and writing the states (not modelled beyond the host rate).
     parallel.activation_offload copies the offloaded activations out in forward and back in backward, once per
-    micro-batch, not overlapped with compute (torch's save_on_cpu)."""
+    micro-batch, priced as if not overlapped with compute (as measured in 2026-12-04 with torch's save_on_cpu's
+    blocking copies; the side-stream copies of parallel/prepare.py, which overlap, are not measured yet)."""
     activations = 2 * offloaded_activations(m, s) * s.grad_accum / hw.h2d_bytes_per_s
     if s.offload == "none":
         return activations
