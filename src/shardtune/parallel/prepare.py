@@ -91,9 +91,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     host until the GPU has caught up, so the GPU's queue drains at every saved tensor); the copy back starts when
     backward asks for the tensor, alongside the kernels still queued, and the compute stream waits for it just
     before its first use. record_stream keeps each GPU tensor's memory from being reused by the other stream
-    before the work queued on it has run."""
+    before the work queued on it has run. `overlap=False` copies as save_on_cpu does (bench/probe_offload.py's
+    baseline)."""
 
-    def __init__(self, device_type: str, min_bytes: int = OFFLOAD_MIN_BYTES) -> None:
+    def __init__(self, device_type: str, min_bytes: int = OFFLOAD_MIN_BYTES, overlap: bool = True) -> None:
         self.moved_bytes = 0
         self.copies: dict[int, tuple[weakref.ref, int, Any]] = {}  # id(tensor) -> (the tensor, its version, copy)
         self.streams: dict[torch.device, Any] = {}  # device -> its side stream for the copies (CUDA)
@@ -113,7 +114,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                 return True, seen[2]
             self.moved_bytes += size
             flat = tensor.detach().reshape(-1)
-            if pin and tensor.is_cuda:
+            if overlap and pin and tensor.is_cuda:
                 side = side_stream(tensor.device)
                 side.wait_stream(torch.cuda.current_stream(tensor.device))  # the kernels that made it, no more
                 with torch.cuda.stream(side):
@@ -140,7 +141,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                 return value
             device, shape, dtype, pieces = value
             numel = sum(p.numel() for p in pieces)
-            if not (pin and device.type == "cuda"):
+            if not (overlap and pin and device.type == "cuda"):
                 return copy_in(torch.empty(numel, dtype=dtype, device=device), pieces).view(shape)
             compute, side = torch.cuda.current_stream(device), side_stream(device)
             with torch.cuda.stream(side):  # after the copy out on the same stream
@@ -160,14 +161,14 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
 
 def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: str,
-                        min_bytes: int = OFFLOAD_MIN_BYTES) -> ActivationOffload:
+                        min_bytes: int = OFFLOAD_MIN_BYTES, overlap: bool = True) -> ActivationOffload:
     """parallel.activation_offload: the offload hooks are on while the decoder (the module holding the blocks)
     runs its forward, so the blocks' saved tensors go to the host, and with full checkpointing the blocks'
     inputs, which non-reentrant checkpointing saves through autograd before its own hooks take over. The LM
     head and the loss stay outside: their tensors are needed at once in backward (the logits are the largest)."""
     decoder = next(m for m in model.modules()
                    if any(isinstance(c, nn.ModuleList) and any(b is blocks[0] for b in c) for c in m.children()))
-    offload = ActivationOffload(device_type, min_bytes)
+    offload = ActivationOffload(device_type, min_bytes, overlap)
 
     def start(*_: Any) -> None:  # a pre-hook's return value would replace the forward's arguments
         offload.__enter__()
