@@ -151,3 +151,24 @@ def test_a_tracker_that_does_not_start_does_not_print_the_uri_credentials(monkey
     with pytest.raises(ShardtuneError) as err:
         _start("mlflow", refuse)
     assert "https://***@mlflow.example" in str(err.value) and not _leaks(str(err.value))
+
+
+def test_a_checkpoints_trainer_state_records_the_config_masked_once(monkeypatch):
+    """trainer_state.json (every checkpoint) holds the config without its secrets, masked at the first save and
+    kept for the later ones (the config does not change while the run goes on)."""
+    from types import SimpleNamespace
+
+    from shardtune.train.loop import trainer_state
+
+    cfg = _secret_config(monkeypatch)
+    run = SimpleNamespace(cfg=cfg, saved_config={}, total_steps=10, ctx=SimpleNamespace(world=2),
+                          sampler=SimpleNamespace(state_dict=lambda: {"epoch": 0}, global_batch=4),
+                          schedule=SimpleNamespace(state_dict=lambda: {"last_epoch": 3}),
+                          backend=SimpleNamespace(extra_state=lambda: {}),
+                          state=SimpleNamespace(step=3, skipped=0))
+    first = trainer_state(run)
+    assert first["config"]["log"]["mlflow"]["tracking_uri"] == "https://***@mlflow.example/base?api_key=***&view=1"
+    assert not _leaks(repr(first)) and first["config"]["train"]["lr"] == 0.001
+    run.state.step = 6
+    again = trainer_state(run)
+    assert again["step"] == 6 and again["config"] is first["config"]

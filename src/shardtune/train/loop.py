@@ -111,6 +111,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     profiler: StepProfiler | None = None  # log.profile
+    saved_config: dict[str, Any] = field(default_factory=dict)  # the config as checkpoints record it (trainer_state)
     cudagraphs: bool = False  # the compiled blocks replay CUDA graphs (parallel.compile_mode / compile_options)
     pending: _Pending | None = None  # the last step, until the loop has read its outcome
     memory: MemorySnapshot | None = None  # log.memory_snapshot
@@ -720,12 +721,14 @@ def _done_line(run: Run, seconds: float) -> str:
 def trainer_state(run: Run) -> dict[str, Any]:
     """The JSON part of a checkpoint: where the run is and how it was set up."""
     cfg, sampler = run.cfg, run.sampler
+    if not run.saved_config:  # masked once: the config does not change while the run goes on
+        run.saved_config = redact(cfg.model_dump(mode="json", by_alias=True))
     extra = {"scheduler": jsonable(run.schedule.state_dict()), **run.backend.extra_state()}
     return {"step": run.state.step, "total_steps": run.total_steps, "sampler": sampler.state_dict(),
             "extra": extra, "world_size": run.ctx.world, "global_batch": sampler.global_batch,
             "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
             "strategy": cfg.parallel.strategy, "skipped_steps": run.state.skipped,
-            "config": redact(cfg.model_dump(mode="json", by_alias=True))}  # informational: nothing reads it back
+            "config": run.saved_config}  # informational: nothing reads it back
 
 
 def keep_global_batch(cfg: Config, saved: dict[str, Any], ctx: DistContext) -> Config:
