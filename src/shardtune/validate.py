@@ -110,7 +110,7 @@ def check_memory_snapshot(cfg: Config, device: str) -> None:
                              "remove log.memory_snapshot (or run on GPUs)")
     import torch
 
-    from shardtune.metrics.memory_snapshot import snapshot_breaks_recompute
+    from shardtune.plan import snapshot_breaks_recompute
 
     if cfg.parallel.compile and snapshot_breaks_recompute(cfg.log.memory_snapshot,
                                                           cfg.parallel.activation_checkpointing):

@@ -39,7 +39,7 @@ def test_compiled_blocks_under_checkpointing_are_refused_on_a_gpu_from_torch_2_1
     from packaging.version import Version
 
     from shardtune.errors import ShardtuneError
-    from shardtune.metrics.memory_snapshot import snapshot_breaks_recompute
+    from shardtune.plan import snapshot_breaks_recompute
     from shardtune.validate import check_memory_snapshot
 
     assert Version(torch.__version__).release >= (2, 11)  # what CI and the GPU machine run

@@ -120,13 +120,3 @@ def summary_text(snapshot: dict[str, Any], baseline: int, steps: str) -> str:
         lines.append(f"  {size / mib:10.1f} MiB  {count:4d} x  {where}")
     lines.append("open the .pickle in https://pytorch.org/memory_viz for the timeline")
     return "\n".join(lines) + "\n"
-
-
-def snapshot_breaks_recompute(memory_snapshot: list[int] | None, activation_checkpointing: str) -> bool:
-    """Whether recording log.memory_snapshot breaks compiled blocks' recompute (validate.check_memory_snapshot):
-    a recording, checkpointing and PyTorch 2.11 or later. The planner asks it before it advises compile."""
-    import torch
-    from packaging.version import Version
-
-    return (memory_snapshot is not None and activation_checkpointing != "none"
-            and Version(torch.__version__).release >= (2, 11))

@@ -244,7 +244,6 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
     runs it and nothing in the config would refuse it), `liger` (Liger's kernels and fused loss as model.liger:
     auto takes them, where auto cannot because liger-kernel is not installed here). `shardtune plan` prints them
     (plan/report.py)."""
-    from shardtune.metrics.memory_snapshot import snapshot_breaks_recompute
     from shardtune.models.liger_rules import auto_would_take, head_adapted, liger_installed, liger_kernels_wanted
     from shardtune.plan.search import price
 
@@ -264,6 +263,18 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
         out["liger"] = s.replace(fused_loss=not adapted_head, liger_kernels=liger_kernels_wanted("auto", s.compile))
     return {name: price(plan.shape, alt, plan.hardware, plan.result.capacity, plan.result.host_capacity)
             for name, alt in out.items()}
+
+
+def snapshot_breaks_recompute(memory_snapshot: list[int] | None, activation_checkpointing: str) -> bool:
+    """Whether recording log.memory_snapshot breaks compiled blocks' recompute (validate.check_memory_snapshot):
+    a recording, checkpointing and PyTorch 2.11 or later. The planner asks it before it advises compile; the
+    version comes from the package metadata, so `plan` still does not import torch."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return (memory_snapshot is not None and activation_checkpointing != "none"
+            and Version(version("torch")).release >= (2, 11))
 
 
 def liger_applies(cfg: Any, hf_config: Any, hardware: Any) -> bool:
