@@ -6,7 +6,8 @@ and backward of the decoder alone (the LM head left out: it does not offload), t
 inputs copied to pinned host memory as torch's save_on_cpu does (the host waits for each copy: what shardtune did
 until the twenty-fourth session); and the same copies on a side stream (parallel/prepare.py ActivationOffload, the
 default now). Prints per variant the median step time of `--steps` steps with min-max, the peak allocated memory,
-and whether the offloaded runs' loss and input gradients equal the plain run's.
+and the offloaded runs' loss and input gradients against the plain run's (relative; `none_again`, the plain step
+repeated, is the noise floor).
 
     PYTHONPATH=src python3 bench/probe_offload.py                        (one H200: ~1 minute)
     PYTHONPATH=src python3 bench/probe_offload.py --cpu --tiny --steps 2  (the plumbing, on CPU)
@@ -49,11 +50,18 @@ def build(preset: str, layers: int, device: torch.device, variant: str,
 
 
 def step(model: torch.nn.Module, embeds: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """One forward and backward of the decoder; the loss and the input's gradient (on the host: kept for the
+    comparison, it must not count in the next variant's peak)."""
     x = embeds.detach().requires_grad_()
     hidden = model.model(inputs_embeds=x).last_hidden_state
     loss = hidden.float().square().mean()
     loss.backward()
-    return float(loss), x.grad
+    return float(loss), x.grad.float().cpu()
+
+
+def rel_diff(a: tuple[float, torch.Tensor], b: tuple[float, torch.Tensor]) -> dict[str, float]:
+    return {"loss": abs(a[0] - b[0]) / abs(b[0]),
+            "input_grad": float((a[1] - b[1]).abs().max() / b[1].abs().max())}
 
 
 def timed(model: torch.nn.Module, embeds: torch.Tensor, steps: int, cuda: bool) -> list[float]:
@@ -87,29 +95,32 @@ def main() -> None:
     for variant in VARIANTS:
         model, hooks = build(preset, args.layers, device, variant, 0 if args.tiny else prepare.OFFLOAD_MIN_BYTES)
         results[variant] = step(model, embeds)  # also the warm-up (pinned blocks allocated once)
-        step(model, embeds)
+        if variant == "none":  # the same step again: the run-to-run noise floor of the comparison
+            results["none_again"] = step(model, embeds)
+        else:
+            step(model, embeds)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         ms = timed(model, embeds, args.steps, cuda)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
         rows.append({"variant": variant, "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
-                     "n": len(ms), "peak_gib": round(peak, 3),
+                     "n": len(ms), "peak_gib": round(peak, 3), "reserved_gib": round(reserved, 3),
                      "moved_gib_per_step": round(hooks.moved_bytes / 2**30 / (args.steps + 2), 3) if hooks else 0.0})
         del model, hooks
         if cuda:
             torch.cuda.empty_cache()
-    same = {v: {"loss": results[v][0] == results["none"][0],
-                "input_grad": bool(torch.equal(results[v][1], results["none"][1]))} for v in VARIANTS[1:]}
+    same = {v: rel_diff(results[v], results["none"]) for v in ("none_again", *VARIANTS[1:])}
     for r in rows:
         print(json.dumps(r))
-    print(json.dumps({"equals_no_offload": same, "device": device.type, "preset": preset, "layers": args.layers,
-                      "tokens": tokens}))
+    print(json.dumps({"relative_difference_to_none": same, "device": device.type, "preset": preset,
+                      "layers": args.layers, "tokens": tokens}))
     base = rows[0]["ms_median"]
-    print("| variant | ms per step (median, min-max) | vs none | peak alloc GiB | moved GiB per step |\n"
-          "|---|---|---|---|---|")
+    print("| variant | ms per step (median, min-max) | vs none | peak alloc GiB | reserved GiB | moved GiB per step |"
+          "\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['ms_median']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}) | "
-              f"{base / r['ms_median']:.3f}x | {r['peak_gib']} | {r['moved_gib_per_step']} |")
+              f"{base / r['ms_median']:.3f}x | {r['peak_gib']} | {r['reserved_gib']} | {r['moved_gib_per_step']} |")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ checkpointing, then torch.compile of each decoder block (adapters are already in
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
@@ -64,6 +64,9 @@ def checkpoint_kwargs(mode: str) -> dict[str, Any]:
 
 # Saved tensors below this size stay on the device: their copies would cost more in latency than they free.
 OFFLOAD_MIN_BYTES = 1 << 20
+# Saved tensors whose copies out may still run when the next is saved (ActivationOffload.in_flight): with full
+# checkpointing one block input each, so each copy has the next blocks' forwards to run under.
+IN_FLIGHT = 4
 
 
 def power_of_two_pieces(count: int, smallest: int) -> list[int]:
@@ -90,14 +93,20 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     copy out waits only for the kernel that made the tensor, and the host goes on (save_on_cpu's copy blocks the
     host until the GPU has caught up, so the GPU's queue drains at every saved tensor); the copy back starts when
     backward asks for the tensor, alongside the kernels still queued, and the compute stream waits for it just
-    before its first use. record_stream keeps each GPU tensor's memory from being reused by the other stream
-    before the work queued on it has run. `overlap=False` copies as save_on_cpu does (bench/probe_offload.py's
-    baseline)."""
+    before its first use. A tensor being copied out is kept (`in_flight`) until the compute stream has been made
+    to wait for its copy, at the latest IN_FLIGHT saved tensors later and at the decoder's forward end (settle):
+    then its memory goes back to the compute stream's pool at once, and the copies in flight, and the memory they
+    hold, stay bounded even where the forward makes saved tensors faster than PCIe moves them (torchtune's
+    max_fwd_stash_size). The copy back's tensor comes from the side stream's pool; record_stream holds it until
+    the compute stream's work on it has run. `overlap=False` copies as save_on_cpu does (bench/probe_offload.py's
+    baseline). Saved tensors are not modified in place later (autograd would refuse it without the hooks); a
+    model that did would now race the copy."""
 
     def __init__(self, device_type: str, min_bytes: int = OFFLOAD_MIN_BYTES, overlap: bool = True) -> None:
         self.moved_bytes = 0
         self.copies: dict[int, tuple[weakref.ref, int, Any]] = {}  # id(tensor) -> (the tensor, its version, copy)
         self.streams: dict[torch.device, Any] = {}  # device -> its side stream for the copies (CUDA)
+        self.in_flight: deque[tuple[torch.Tensor, Any, Any]] = deque()  # (GPU tensor, copy's event, its compute)
         pin = device_type == "cuda"
 
         def side_stream(device: torch.device) -> Any:
@@ -116,10 +125,13 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             flat = tensor.detach().reshape(-1)
             if overlap and pin and tensor.is_cuda:
                 side = side_stream(tensor.device)
-                side.wait_stream(torch.cuda.current_stream(tensor.device))  # the kernels that made it, no more
+                compute = torch.cuda.current_stream(tensor.device)
+                side.wait_stream(compute)  # the kernels that made it, no more
                 with torch.cuda.stream(side):
                     pieces = copy_out(flat, non_blocking=True)
-                flat.record_stream(side)  # freed by compute while the copy may still read it: held until it ran
+                self.in_flight.append((flat, side.record_event(), compute))
+                while len(self.in_flight) > IN_FLIGHT:
+                    self.settle(1)
             else:
                 pieces = copy_out(flat, non_blocking=False)
             self.copies[id(tensor)] = (weakref.ref(tensor), tensor._version, (tensor.device, tensor.shape,
@@ -159,6 +171,13 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
+    def settle(self, count: int | None = None) -> None:
+        """The compute stream waits for the oldest `count` copies out in flight (all by default), and their GPU
+        tensors go: their memory is reused in the compute stream's order, after the copies."""
+        for _ in range(len(self.in_flight) if count is None else min(count, len(self.in_flight))):
+            _tensor, copied, compute = self.in_flight.popleft()
+            compute.wait_event(copied)
+
 
 def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: str,
                         min_bytes: int = OFFLOAD_MIN_BYTES, overlap: bool = True) -> ActivationOffload:
@@ -176,6 +195,7 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
     def stop(*_: Any) -> None:  # the graph holds the copies; the table of them is only for this forward
         offload.__exit__(None, None, None)
         offload.copies.clear()
+        offload.settle()
 
     decoder.register_forward_pre_hook(start)
     decoder.register_forward_hook(stop, always_call=True)
