@@ -64,9 +64,12 @@ def checkpoint_kwargs(mode: str) -> dict[str, Any]:
 
 # Saved tensors below this size stay on the device: their copies would cost more in latency than they free.
 OFFLOAD_MIN_BYTES = 1 << 20
-# Saved tensors whose copies out may still run when the next is saved (ActivationOffload.in_flight): with full
-# checkpointing one block input each, so each copy has the next blocks' forwards to run under.
-IN_FLIGHT = 4
+# Saved tensors whose copies out may still run when the next is saved (ActivationOffload.in_flight). One: under
+# full checkpointing each block saves one input, whose copy then runs under that block's forward and is waited
+# for where the next block starts, about when the input would be freed anyway, so the held tensors add no memory
+# (8B at 327,680 tokens: a 2.5 GiB block input, ~50 ms over PCIe, under a ~3 s block forward). More would overlap
+# more only where saves come faster than PCIe, and hold one more such tensor each (torchtune's default is 5).
+IN_FLIGHT = 1
 
 
 def power_of_two_pieces(count: int, smallest: int) -> list[int]:
@@ -94,7 +97,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     host until the GPU has caught up, so the GPU's queue drains at every saved tensor); the copy back starts when
     backward asks for the tensor, alongside the kernels still queued, and the compute stream waits for it just
     before its first use. A tensor being copied out is kept (`in_flight`) until the compute stream has been made
-    to wait for its copy, at the latest IN_FLIGHT saved tensors later and at the decoder's forward end (settle):
+    to wait for its copy, once IN_FLIGHT later saved tensors are queued and at the decoder's forward end (settle):
     then its memory goes back to the compute stream's pool at once, and the copies in flight, and the memory they
     hold, stay bounded even where the forward makes saved tensors faster than PCIe moves them (torchtune's
     max_fwd_stash_size). The copy back's tensor comes from the side stream's pool; record_stream holds it until
