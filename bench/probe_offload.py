@@ -1,7 +1,7 @@
 """Does overlapping parallel.activation_offload's copies with compute pay? (issue 17's lever: "offload of saved
 activations to pinned host memory, overlapped with compute")
 
-A few blocks of the Llama-3-8B shape (random init, bf16, full checkpointing, SDPA) over one long sequence, forward
+Eight blocks of the Llama-3-8B shape (random init, bf16, full checkpointing, SDPA) over one long sequence, forward
 and backward of the decoder alone (the LM head left out: it does not offload), three ways: no offload; the block
 inputs copied to pinned host memory as torch's save_on_cpu does (the host waits for each copy: what shardtune did
 until the twenty-fourth session); and the same copies on a side stream (parallel/prepare.py ActivationOffload, the
@@ -81,7 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the tiny-llama preset, 256 tokens")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)  # enough that the host cannot queue all of backward at once
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()

@@ -205,8 +205,10 @@ def test_activation_offload_copies_out_without_the_host_waiting():
 
     hooks = ActivationOffload("cuda", min_bytes=0)
     shape = (3 * (1 << 18) + 3, 2)  # 6 MiB + 24 bytes: pieces of 4 MiB, 2 MiB and the rest
-    hooks.pack_hook(torch.zeros(shape, device="cuda"))  # the pinned blocks, allocated once (may synchronize)
+    # the pinned blocks allocated once, and every kernel below loaded once (either may synchronize)
     hooks.pack_hook(torch.zeros(shape, device="cuda"))
+    hooks.unpack_hook(hooks.pack_hook(torch.zeros(shape, device="cuda") * 1.0)) * 1.0
+    torch.full(shape, -1.0, device="cuda")
     torch.cuda.synchronize()
     hooks.copies.clear()
     hooks.settle()
@@ -231,6 +233,30 @@ def test_activation_offload_copies_out_without_the_host_waiting():
     back_a = hooks.unpack_hook(packed_a) * 1.0
     assert torch.equal(back_a.cpu(), want_a) and torch.equal(back_b.cpu(), want_b)
     assert bool((clobber == -1.0).all()) and not hooks.in_flight
+
+
+@pytest.mark.parametrize("bound, waits", [(1 << 40, False), (0, True)])
+def test_activation_offload_bounds_the_copies_back_the_host_queues(monkeypatch, bound, waits):
+    """The copies back hold side-stream memory until the GPU is past their use: past BACK_BYTES of them the host
+    waits for the GPU to reach the oldest one's unpack, and under it goes on."""
+    from shardtune.parallel import prepare
+
+    monkeypatch.setattr(prepare, "BACK_BYTES", bound)
+    hooks = prepare.ActivationOffload("cuda", min_bytes=0)
+    shape = (1 << 20,)
+    packed = [hooks.pack_hook(torch.randn(shape, device="cuda")) for _ in range(2)]
+    hooks.unpack_hook(hooks.pack_hook(torch.randn(shape, device="cuda")))  # pinned blocks and kernels loaded
+    hooks.settle()
+    torch.cuda.synchronize()
+    hooks.coming_back.clear()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s queued on the compute stream
+    busy = torch.cuda.Event()
+    busy.record()
+    back = [hooks.unpack_hook(p) for p in packed]  # the second waits for the first's unpack point, or not
+    assert busy.query() is waits
+    assert len(hooks.coming_back) == (1 if waits else 2)
+    torch.cuda.synchronize()
+    assert all(b.shape == shape for b in back)
 
 
 @pytest.mark.parametrize("checkpointing", ["full", "none"])

@@ -70,6 +70,8 @@ OFFLOAD_MIN_BYTES = 1 << 20
 # (8B at 327,680 tokens: a 2.5 GiB block input, ~50 ms over PCIe, under a ~3 s block forward). More would overlap
 # more only where saves come faster than PCIe, and hold one more such tensor each (torchtune's default is 5).
 IN_FLIGHT = 1
+# Bytes of copies back (ActivationOffload's backward) the host may queue ahead of the GPU (bound_copies_back).
+BACK_BYTES = 1 << 30
 
 
 def power_of_two_pieces(count: int, smallest: int) -> list[int]:
@@ -101,7 +103,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     then its memory goes back to the compute stream's pool at once, and the copies in flight, and the memory they
     hold, stay bounded even where the forward makes saved tensors faster than PCIe moves them (torchtune's
     max_fwd_stash_size). The copy back's tensor comes from the side stream's pool; record_stream holds it until
-    the compute stream's work on it has run. `overlap=False` copies as save_on_cpu does (bench/probe_offload.py's
+    the compute stream's work on it has run, and the host waits for the GPU where more than BACK_BYTES of them
+    would be held at once. `overlap=False` copies as save_on_cpu does (bench/probe_offload.py's
     baseline). Saved tensors are not modified in place later (autograd would refuse it without the hooks); a
     model that did would now race the copy."""
 
@@ -110,6 +113,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.copies: dict[int, tuple[weakref.ref, int, Any]] = {}  # id(tensor) -> (the tensor, its version, copy)
         self.streams: dict[torch.device, Any] = {}  # device -> its side stream for the copies (CUDA)
         self.in_flight: deque[tuple[torch.Tensor, Any, Any]] = deque()  # (GPU tensor, copy's event, its compute)
+        self.coming_back: deque[tuple[Any, int]] = deque()  # (compute stream's event at an unpack, its bytes)
         pin = device_type == "cuda"
 
         def side_stream(device: torch.device) -> Any:
@@ -163,7 +167,18 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                 out = copy_in(torch.empty(numel, dtype=dtype, device=device), pieces)
             compute.wait_stream(side)
             out.record_stream(compute)  # made on the side stream, used and freed on the compute stream
+            bound_copies_back(compute, out.numel() * out.element_size())
             return out.view(shape)
+
+        def bound_copies_back(compute: Any, size: int) -> None:
+            """A copy back's memory comes from the side stream's pool and is reusable only once the GPU has run
+            past its last use (record_stream), so the host running ahead through backward would hold one per
+            block it has queued. Past BACK_BYTES of them the host waits for the GPU to reach the oldest's unpack:
+            with 2.5 GiB block inputs (8B, 327,680 tokens) it stays about one block ahead, which keeps the GPU's
+            queue full; with smaller tensors it may run further ahead."""
+            self.coming_back.append((compute.record_event(), size))
+            while len(self.coming_back) > 1 and sum(b for _, b in self.coming_back) > BACK_BYTES:
+                self.coming_back.popleft()[0].synchronize()
 
         def copy_in(out: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
             start = 0
@@ -193,6 +208,7 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
     offload = ActivationOffload(device_type, min_bytes, overlap)
 
     def start(*_: Any) -> None:  # a pre-hook's return value would replace the forward's arguments
+        offload.coming_back.clear()  # the last backward's: run by now
         offload.__enter__()
 
     def stop(*_: Any) -> None:  # the graph holds the copies; the table of them is only for this forward
