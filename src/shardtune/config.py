@@ -170,8 +170,8 @@ class ParallelConfig(_Section):
                            "forward and back in backward (as torch.autograd.graph.save_on_cpu, in power-of-two "
                            "pieces; on GPUs both copies run on a side stream, overlapped with compute). With "
                            "activation_checkpointing: full that is each block's input, which bounds the longest "
-                           "trainable sequence. fsdp2 only; not with compile. Under parallel.strategy: auto the "
-                           "planner turns it on where nothing fits without it.")
+                           "trainable sequence. fsdp2 only; with compile only under checkpointing. Under "
+                           "parallel.strategy: auto the planner turns it on where nothing fits without it.")
     one_gpu: Literal["auto", "fsdp2", "direct"] = Field(
         "auto", description="How zero2 / zero3 run on a single process. fsdp2: FSDP2 on a mesh of one (it still "
                             "casts each weight into its all-gather buffer and out, and copies the gradients "

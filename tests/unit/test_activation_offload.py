@@ -82,6 +82,30 @@ def test_offload_keeps_the_loss_and_gradients_and_moves_the_block_inputs(checkpo
     assert all(t.numel() * 4 != logits for t in moved)  # the LM head's output (the logits) is not the decoder's
 
 
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(checkpointing: str) -> None:
+    """Compiled blocks under checkpointing: the offload hooks see what the checkpoint saves (the blocks' inputs)
+    outside the compiled code; two steps give compile's own losses and gradients, and the inputs moved."""
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+    results = []
+    for offload in (False, True):
+        cfg = load_config(TINY, [f"parallel.activation_checkpointing={checkpointing}", "parallel.compile=true"])
+        model, blocks, _ = _model("none", False)
+        hooks = prepare.offload_activations(model, blocks, "cpu", min_bytes=0) if offload else None
+        prepare.checkpoint_and_compile(model, blocks, cfg.parallel)
+        losses = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        results.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_losses, plain_grads), (losses, grads) = results
+    assert losses == plain_losses
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+    assert hooks.moved_bytes >= 2 * len(blocks) * ids.numel() * model.config.hidden_size * 4  # two steps' inputs
+
+
 def test_small_tensors_and_the_default_threshold_stay() -> None:
     model, blocks, _ = _model("full", False)
     hooks = prepare.offload_activations(model, blocks, "cpu")  # 1 MiB: a tiny model's tensors are all smaller
@@ -154,8 +178,12 @@ def test_the_planner_moves_the_block_inputs_to_the_host() -> None:
 def test_offload_is_refused_where_it_does_not_run() -> None:
     with pytest.raises(ShardtuneError, match=r"activation_offload: true runs on parallel\.backend=fsdp2"):
         check_combination(load_config(TINY, ["parallel.backend=deepspeed", "parallel.activation_offload=true"]))
-    with pytest.raises(ShardtuneError, match=r"parallel\.compile=false, or parallel\.activation_offload=false"):
-        check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_offload=true"]))
+    with pytest.raises(ShardtuneError, match=r"needs activation checkpointing .* set "
+                                             r"parallel\.activation_checkpointing=full, or parallel\.compile=false"):
+        check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_offload=true",
+                                             "parallel.activation_checkpointing=none"]))
+    check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_offload=true",
+                                         "parallel.activation_checkpointing=full"]))
     with pytest.raises(ShardtuneError, match=r"set parallel\.strategy=zero2 or zero3"):
         check_combination(load_config(TINY, ["parallel.strategy=ddp", "parallel.activation_offload=true"]))
 

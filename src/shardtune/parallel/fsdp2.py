@@ -124,10 +124,12 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("parallel.one_gpu: direct computes with the frozen base as it is stored, and "
                              "peft.base_dtype: fp32 stores it in fp32 (FSDP2 casts it per use); set "
                              "peft.base_dtype=auto, or parallel.one_gpu=fsdp2")
-    if p.activation_offload and p.compile:
-        raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true is not built yet (the "
-                             "offload hooks would run inside the compiled blocks); set parallel.compile=false, or "
-                             "parallel.activation_offload=false")
+    if p.activation_offload and p.compile and p.activation_checkpointing == "none":
+        # With checkpointing the hooks see only what the checkpoint saves, the blocks' inputs, outside the
+        # compiled code; without it they would run inside the compiled blocks, which Dynamo does not trace.
+        raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true needs activation "
+                             "checkpointing (the offload hooks would run inside the compiled blocks); set "
+                             "parallel.activation_checkpointing=full, or parallel.compile=false")
 
 
 def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
