@@ -221,4 +221,8 @@ def test_the_search_moves_activations_to_the_host_where_nothing_else_fits() -> N
                                                                 plan.auto)
     assert not _long_plan(131072, 128)[1].pick.setting.activation_offload
     assert _long_plan(327680, 128, "parallel.activation_offload=false")[1].pick is None
+    _, compiled = _long_plan(327680, 128, "parallel.compile=true")  # offload goes with compile under checkpointing
+    assert compiled.pick is not None and compiled.pick.setting.activation_offload and compiled.pick.setting.compile
+    assert compiled.pick.setting.activation_checkpointing == "full"
+    assert "fsdp2/zero2/none/activation_offload" not in compiled.to_json()["refused"]  # refused only without it
     assert _long_plan(327680, 64)[1].pick is None  # 83 GiB of pinned host memory needed

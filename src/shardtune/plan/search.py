@@ -74,7 +74,7 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
     `micro_batches` is given) variant of `base`; `supported(setting)` returns why a combination cannot run, or
     None."""
     capacity = hw.memory_bytes * (1 - SAFETY_MARGIN)
-    refused: dict[tuple[str, str, str, bool], str] = {}
+    why: dict[tuple[str, str, str, bool, str], str] = {}  # (backend, strategy, offload, moved, checkpointing)
     out: list[Candidate] = []
     for backend, ac, mb, moved in itertools.product(BACKENDS, ("none", "selective", "full"),
                                                     micro_batches or (base.micro_batch_size,), (False, True)):
@@ -84,10 +84,10 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
                 continue  # on one node hsdp is zero3
             s = base.replace(backend=backend, strategy=strategy, offload=offload, activation_checkpointing=ac,
                              activation_offload=moved, micro_batch_size=mb, nvme=base.nvme and offload != "none")
-            key = (backend, strategy, offload, moved)
-            if key not in refused:
-                refused[key] = supported(s) or ""
-            if refused[key]:
+            key = (backend, strategy, offload, moved, ac)  # checkpointing too: offload with compile needs it
+            if key not in why:
+                why[key] = supported(s) or ""
+            if why[key]:
                 continue
             out.append(price(m, s, hw, capacity, host_capacity))
             if _frozen_is_a_trade(s):  # the frozen base whole on every GPU instead, priced beside it
@@ -96,7 +96,9 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
     usable = [c for c in out if c.usable]
     pick = max(usable, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if usable else None
     out.sort(key=lambda c: (not c.usable, -c.time.tokens_per_sec_per_gpu))
-    return Search(out, configured, pick, capacity, host_capacity, {k: v for k, v in refused.items() if v})
+    ran = {k[:4] for k, v in why.items() if not v}
+    refused = {k[:4]: v for k, v in why.items() if v and k[:4] not in ran}  # refused whatever the checkpointing
+    return Search(out, configured, pick, capacity, host_capacity, refused)
 
 
 def _frozen_is_a_trade(s: Setting) -> bool:
