@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,6 +156,29 @@ class Payload:
 
     def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
         return os.system, (f"touch {self.marker}",)
+
+
+def offload_test_model(overrides: list[str], device: str = "cpu", offload: bool = False) -> tuple[Any, list, Any]:
+    """examples/tiny.yaml's model for the activation-offload tests (CPU and GPU): weights N(0, 0.05) from seed 0,
+    in train mode, then the offload hooks (every saved tensor, min_bytes 0) where `offload`, then the
+    checkpointing and compile `overrides` set. (model, its blocks, the hooks or None)"""
+    import torch
+
+    from shardtune.config import load_config
+    from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
+    from shardtune.parallel import prepare
+
+    cfg = load_config(str(ROOT / "examples" / "tiny.yaml"), overrides)
+    model = build_on_meta(load_hf_config(cfg.model), "sdpa").to_empty(device=device)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    restore_buffers(model, torch.device(device))
+    model.train()
+    blocks = list(model.model.layers)
+    hooks = prepare.offload_activations(model, blocks, device, min_bytes=0) if offload else None
+    prepare.checkpoint_and_compile(model, blocks, cfg.parallel, device)
+    return model, blocks, hooks
 
 
 def max_diff(a: list[float], b: list[float], min_len: int = 6) -> float:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, shardtune
+from conftest import ROOT, offload_test_model, shardtune
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -263,24 +263,11 @@ def test_activation_offload_bounds_the_copies_back_the_host_queues(monkeypatch, 
 def test_activation_offload_on_the_gpu_keeps_the_loss_and_gradients(checkpointing, compiled):
     """The tiny model in fp32 on the GPU, every saved tensor through the side-stream copies: the loss and
     gradients of the run without offload (compiled blocks: of the compiled run without offload)."""
-    from shardtune.config import load_config
-    from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
-    from shardtune.parallel import prepare
-
-    cfg = load_config(str(ROOT / "examples" / "tiny.yaml"), [f"parallel.activation_checkpointing={checkpointing}",
-                                                              f"parallel.compile={str(compiled).lower()}"])
+    overrides = [f"parallel.activation_checkpointing={checkpointing}", f"parallel.compile={str(compiled).lower()}"]
     ids = torch.randint(0, 250, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()
     results = []
     for offload in (False, True):
-        model = build_on_meta(load_hf_config(cfg.model), "sdpa").to_empty(device="cuda")
-        torch.manual_seed(0)
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.05)
-        restore_buffers(model, torch.device("cuda"))
-        model.train()
-        blocks = list(model.model.layers)
-        hooks = prepare.offload_activations(model, blocks, "cuda", min_bytes=0) if offload else None
-        prepare.checkpoint_and_compile(model, blocks, cfg.parallel, "cuda")
+        model, blocks, hooks = offload_test_model(overrides, "cuda", offload)
         for block in blocks if not compiled else []:  # the compute stream behind the host, as in a real step
             block.register_forward_pre_hook(lambda *_: torch.cuda._sleep(20_000_000))
         loss = model(input_ids=ids, labels=ids).loss

@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, offload_test_model
 
 from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
-from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
+from shardtune.models.build import load_hf_config
 from shardtune.models.presets import preset_config
 from shardtune.parallel import check_combination, prepare
 from shardtune.plan.hardware import lookup
@@ -26,17 +26,7 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 
 
 def _model(checkpointing: str, offload: bool):
-    cfg = load_config(TINY, [f"parallel.activation_checkpointing={checkpointing}"])
-    model = build_on_meta(load_hf_config(cfg.model), "sdpa").to_empty(device="cpu")
-    torch.manual_seed(0)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    restore_buffers(model, torch.device("cpu"))
-    model.train()
-    blocks = list(model.model.layers)
-    hooks = prepare.offload_activations(model, blocks, "cpu", min_bytes=0) if offload else None
-    prepare.checkpoint_and_compile(model, blocks, cfg.parallel)
-    return model, blocks, hooks
+    return offload_test_model([f"parallel.activation_checkpointing={checkpointing}"], "cpu", offload)
 
 
 def _recording(pack, moved: list):
@@ -89,10 +79,8 @@ def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(checkpointi
     ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
     results = []
     for offload in (False, True):
-        cfg = load_config(TINY, [f"parallel.activation_checkpointing={checkpointing}", "parallel.compile=true"])
-        model, blocks, _ = _model("none", False)
-        hooks = prepare.offload_activations(model, blocks, "cpu", min_bytes=0) if offload else None
-        prepare.checkpoint_and_compile(model, blocks, cfg.parallel)
+        model, blocks, hooks = offload_test_model([f"parallel.activation_checkpointing={checkpointing}",
+                                                   "parallel.compile=true"], "cpu", offload)
         losses = []
         for _ in range(2):
             loss = model(input_ids=ids, labels=ids).loss
