@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from timing import spread, times_ms
 from torch import nn
 
 
@@ -65,16 +64,7 @@ def timed(block: nn.Module, x: torch.Tensor, steps: int, device: str) -> list[fl
 
     for _ in range(3):  # compile and warm up
         once()
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        once()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
+    return times_ms(once, steps, device == "cuda")
 
 
 def main() -> None:
@@ -100,8 +90,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         ms = timed(run, x, args.steps if device == "cuda" else 2, device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
-        rows.append({"kind": kind, "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
-                     "n": len(ms), "peak_gib": round(peak, 3)})
+        rows.append({"kind": kind, **spread(ms), "peak_gib": round(peak, 3)})
     same = {name: torch.equal(a, b) for name, a, b in (
         ("output", results["float8"][0], results["float8_cached"][0]),
         ("input_grad", results["float8"][1], results["float8_cached"][1]))}

@@ -16,11 +16,11 @@ repeated, is the noise floor).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
-import time
 
 import torch
+from timing import spread, times_ms
 
 from shardtune.config import ParallelConfig
 from shardtune.models.build import build_on_meta, restore_buffers
@@ -64,19 +64,6 @@ def rel_diff(a: tuple[float, torch.Tensor], b: tuple[float, torch.Tensor]) -> di
             "input_grad": float((a[1] - b[1]).abs().max() / b[1].abs().max())}
 
 
-def timed(model: torch.nn.Module, embeds: torch.Tensor, steps: int, cuda: bool) -> list[float]:
-    times = []
-    for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        step(model, embeds)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true")
@@ -101,11 +88,10 @@ def main() -> None:
             step(model, embeds)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        ms = timed(model, embeds, args.steps, cuda)
+        ms = times_ms(functools.partial(step, model, embeds), args.steps, cuda)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
-        rows.append({"variant": variant, "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
-                     "n": len(ms), "peak_gib": round(peak, 3), "reserved_gib": round(reserved, 3),
+        rows.append({"variant": variant, **spread(ms), "peak_gib": round(peak, 3), "reserved_gib": round(reserved, 3),
                      "moved_gib_per_step": round(hooks.moved_bytes / 2**30 / (args.steps + 2), 3) if hooks else 0.0})
         del model, hooks
         if cuda:
