@@ -182,3 +182,20 @@ def test_an_oom_outside_the_steps_records_nothing(tmp_path: Path, monkeypatch) -
     assert written == [] and "allocations up to it" not in line
     text = (tmp_path / "after" / "memory" / "rank0.txt").read_text()
     assert text.startswith("CUDA memory, steps 2-4: peak ")  # written at the end of step 4, no reason
+
+
+def test_the_planner_does_not_pick_checkpointing_for_compiled_blocks_while_recording() -> None:
+    """The same refusal inside the planner's search: with compiled blocks and a recording, `strategy: auto`
+    prices no checkpointed candidate (validate would refuse it at launch), and without the recording it does."""
+    from shardtune.models.build import load_hf_config
+    from shardtune.plan import make_plan
+    from shardtune.plan.hardware import GPUS
+
+    def candidates(*overrides: str) -> set[str]:
+        cfg = load_config(str(ROOT / "examples" / "llama-1b.yaml"), ["parallel.strategy=auto", "parallel.compile=true",
+                                                                     *overrides])
+        plan = make_plan(cfg, load_hf_config(cfg.model), GPUS["h200"], world=1, per_node=1)
+        return {c.setting.activation_checkpointing for c in plan.result.candidates}
+
+    assert candidates("log.memory_snapshot=[3,3]") == {"none"}
+    assert candidates() == {"none", "selective", "full"}

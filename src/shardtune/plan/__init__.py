@@ -162,10 +162,14 @@ def resolve_hardware(gpu: str | None = None, gpu_memory: str | None = None, cali
 
 
 def supported_by(cfg: Any) -> Any:
-    """setting -> None if the backends can run it, else why not (validate's own rules, no process)."""
+    """setting -> None if the backends can run it, else why not (validate's own rules, no process; and the
+    memory-snapshot refusal, which depends on the setting's compile and checkpointing)."""
     from shardtune.parallel import check_combination
 
     def check(s: Setting) -> str | None:
+        if s.compile and snapshot_breaks_recompute(cfg.log.memory_snapshot, s.activation_checkpointing):
+            return ("log.memory_snapshot: recording breaks the recompute of compiled blocks "
+                    "(pytorch/pytorch#179536; validate.check_memory_snapshot)")
         variant = config_for(cfg, s)
         try:
             check_combination(variant, s.per_node, candidate=True, nnodes=s.nnodes)
@@ -253,8 +257,7 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
     if not s.compile:
         kernels = s.liger_kernels and liger_kernels_wanted(cfg.model.liger, True)
         compiled = s.replace(compile=True, liger_kernels=kernels)
-        if (supported_by(cfg)(compiled) is None
-                and not snapshot_breaks_recompute(cfg.log.memory_snapshot, s.activation_checkpointing)):
+        if supported_by(cfg)(compiled) is None:
             out["compile"] = compiled
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
     if not liger_installed() and auto_would_take(cfg.model.liger, "cuda", getattr(hf_config, "model_type", ""),
