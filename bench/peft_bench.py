@@ -34,6 +34,9 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
            "8b": ("llama-3-8b", 2048, "bf16"), "70b": ("llama-3-70b", 2048, "bf16")}
 
 
+STEP_FIELDS = ("step", "step_time_s", "host_s", "data_s", "gc_s", "alloc_retries", "gpu_sm_clock_mhz",
+               "gpu_clock_events", "gpu_power_w", "gpu_util_pct")
+
 # Run flags that are shardtune overrides (the run's tag and label name them).
 FLAG_OVERRIDES = {"sf": "parallel.shard_frozen=false", "dir": "parallel.one_gpu=direct", "ch": "model.liger_chunk=1024"}
 
@@ -68,7 +71,9 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
             result.update(tokens_per_s_per_gpu=statistics.median(tps), tokens_per_s_per_gpu_min=min(tps),
                           tokens_per_s_per_gpu_max=max(tps), steps_timed=len(tps),
                           peak_alloc_gib=max(r["peak_mem_gib"] for r in recs),
-                          peak_reserved_gib=max(r["peak_reserved_gib"] for r in recs))
+                          peak_reserved_gib=max(r["peak_reserved_gib"] for r in recs),
+                          # each timed step's record, for where a slow step's time went (the step swings)
+                          steps=[{k: r[k] for k in STEP_FIELDS if k in r} for r in timed])
     return result
 
 
@@ -190,6 +195,24 @@ def print_table(results: list[dict], size: str, seq: int, mbs: int, steps: int, 
                   if r.get("tokens_per_s_per_gpu_min") else "")
         print(f"| {r['who']} | {r['method']} | {r['nproc']} | {r['rc']} | {tps:,.0f}{spread} | {ratio(r, False)} | "
               f"{ratio(r, True)} | {r.get('peak_alloc_gib') or 0:.1f} | {r.get('peak_reserved_gib') or 0:.1f} |")
+
+    print_step_spread(results)
+
+
+def print_step_spread(results: list[dict]) -> None:
+    """Per shardtune row: the median step and its slowest and fastest steps, with where their time went."""
+    for r in results:
+        steps = sorted(r.get("steps") or [], key=lambda x: x["step_time_s"])
+        if len(steps) < 3:
+            continue
+        med = statistics.median(x["step_time_s"] for x in steps)
+        print(f"\n{r['method']}: median step {med * 1e3:.1f} ms; slowest and fastest "
+              "(ms, host ms, data ms, gc ms, SM MHz, clock events):")
+        for x in (*steps[-3:][::-1], *steps[:2]):
+            print(f"  step {x['step']}: {x['step_time_s'] * 1e3:.1f} ({x['step_time_s'] / med - 1:+.1%}), "
+                  f"{x.get('host_s', 0) * 1e3:.1f}, {x.get('data_s', 0) * 1e3:.2f}, {x.get('gc_s', 0) * 1e3:.2f}, "
+                  f"{x.get('gpu_sm_clock_mhz')}, {x.get('gpu_clock_events')}"
+                  + (f", alloc retries {x['alloc_retries']}" if x.get("alloc_retries") else ""))
 
 
 if __name__ == "__main__":

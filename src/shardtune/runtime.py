@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from collections.abc import Iterator
 
 _NEVER = 1 << 30  # a full-collection threshold no count reaches
 
 
+class GcClock:
+    """The seconds the collector ran (every thread stopped) since the last `take()`, through gc.callbacks: the
+    loop's records carry it, so a step slowed by a collection says so."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 @contextlib.contextmanager
-def young_gc_only() -> Iterator[None]:
+def young_gc_only() -> Iterator[GcClock]:
     """No automatic full garbage collection inside the block; young collections go on as usual.
 
     A training or export process holds 300-500 thousand long-lived objects (imported code, modules,
@@ -23,11 +43,15 @@ def young_gc_only() -> Iterator[None]:
     leaves (some 930 a step for the tiny model on CPU); what survives into the old generation waits
     for the block's end (tiny model on CPU, 1,000 steps with an async save every 20: the old
     generation grew by ~25 objects a save, and not at all without saves). Python 3.14's incremental
-    collector makes no full passes; there the old generation's threshold is ignored."""
+    collector makes no full passes; there the old generation's threshold is ignored. Yields a GcClock of the
+    collections inside the block."""
     thresholds = gc.get_threshold()
     gc.collect()
     gc.set_threshold(thresholds[0], thresholds[1], _NEVER)
+    clock = GcClock()
+    gc.callbacks.append(clock)
     try:
-        yield
+        yield clock
     finally:
+        gc.callbacks.remove(clock)
         gc.set_threshold(*thresholds)

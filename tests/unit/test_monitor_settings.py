@@ -40,12 +40,15 @@ class _Mem:
         self.used = used
 
 
-def fake_pynvml(gpus: int, fail_init: bool = False) -> types.ModuleType:
+def fake_pynvml(gpus: int, fail_init: bool = False, clocks: bool = True) -> types.ModuleType:
     """pynvml's calls the sampler makes, answering for `gpus` GPUs. GPU i at its n-th query (n = 0, 1, ...) is
-    10*i + 10*n percent busy, (i + 1 + n) GiB used, 100*(i + 1) + 50*n W and 40 + i + 5*n degrees: every field differs
-    per GPU and per sample, so a mix-up of GPUs or of aggregations shows."""
+    10*i + 10*n percent busy, (i + 1 + n) GiB used, 100*(i + 1) + 50*n W, 40 + i + 5*n degrees, its SM clock at
+    1980 - 100*i - 300*n MHz, and its clock event reasons: GPU 1's first sample the power cap and idle, its second
+    hardware thermal slowdown, GPU 0 none: every field differs per GPU and per sample, so a mix-up of GPUs or of
+    aggregations shows. `clocks=False`: a GPU that answers NotSupported to the clock queries."""
     nv = types.ModuleType("pynvml")
     nv.NVML_TEMPERATURE_GPU = 0
+    nv.NVML_CLOCK_SM = 1
     nv.NVMLError = type("NVMLError", (Exception,), {})
     nv.NVMLError_DriverNotLoaded = type("NVMLError_DriverNotLoaded", (nv.NVMLError,), {})
     nv.queries = [0] * gpus  # utilisation queries answered per GPU: the sample number
@@ -70,6 +73,18 @@ def fake_pynvml(gpus: int, fail_init: bool = False) -> types.ModuleType:
     nv.nvmlDeviceGetMemoryInfo = lambda i: _Mem((i + 1 + n(i)) * GIB)
     nv.nvmlDeviceGetPowerUsage = lambda i: (100 * (i + 1) + 50 * n(i)) * 1000  # milliwatts
     nv.nvmlDeviceGetTemperature = lambda i, sensor: 40 + i + 5 * n(i)
+
+    def clock(i, kind):
+        if not clocks or kind != nv.NVML_CLOCK_SM:
+            raise nv.NVMLError("Not Supported")
+        return 1980 - 100 * i - 300 * n(i)
+
+    def reasons(i):
+        if not clocks:
+            raise nv.NVMLError("Not Supported")
+        return 0 if i == 0 else (0x4 | 0x1, 0x40)[n(i) % 2]
+
+    nv.nvmlDeviceGetClockInfo, nv.nvmlDeviceGetCurrentClocksEventReasons = clock, reasons
     return nv
 
 
@@ -97,9 +112,23 @@ def test_two_gpus_each_summarised_over_the_interval(monkeypatch):
     sampler.sample()
     sampler.sample()
     assert sampler.take() == {"gpu_util_pct": [5.0, 15.0], "gpu_mem_used_gib": [2.0, 3.0],
-                              "gpu_power_w": [125.0, 225.0], "gpu_temp_c": [45.0, 46.0]}
+                              "gpu_power_w": [125.0, 225.0], "gpu_temp_c": [45.0, 46.0],
+                              "gpu_sm_clock_mhz": [1680.0, 1580.0],  # the lowest sample's
+                              "gpu_clock_events": [[], ["power_cap", "hw_thermal"]]}  # any sample's, idle left out
+    sampler.sample()
+    assert sampler.take()["gpu_clock_events"] == [[], ["power_cap"]]  # the next interval starts afresh
     sampler.close()
     assert sampler.nvml.shutdowns == 1
+
+
+def test_a_gpu_without_clock_reports_leaves_those_fields_out(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(2, clocks=False))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    sampler = SystemSampler()
+    sampler.sample()
+    assert set(sampler.take()) == {"gpu_util_pct", "gpu_mem_used_gib", "gpu_power_w", "gpu_temp_c"}
+    sampler.close()
 
 
 @pytest.mark.parametrize("visible, local_world, indices", [

@@ -68,6 +68,16 @@ def test_tokens_per_sec_leaves_out_the_evaluation_inside_an_interval(slow_eval_r
     assert tokens[1] == pytest.approx(tokens[0], rel=0.3), tokens
 
 
+def test_records_say_where_a_steps_time_went(slow_eval_run):
+    out, _ = slow_eval_run
+    for r in (r for r in _records(out) if not r.get("eval")):
+        # On a CPU every op runs as the host issues it: the host's time is nearly all of the step, with the
+        # evaluation left out of both (counted in host_s, the step with the evaluation would exceed its step time)
+        assert 0.8 * r["step_time_s"] < r["host_s"] <= r["step_time_s"], r
+        assert 0.0 < r["data_s"] < r["host_s"] and r["gc_s"] >= 0.0, r
+        assert "alloc_retries" not in r  # CUDA's caching allocator only
+
+
 def test_the_start_says_how_much_of_the_held_out_set_each_evaluation_runs(slow_eval_run):
     _, err = slow_eval_run
     # 300 held-out examples, 50 micro-batches of 4 on 1 process.

@@ -8,7 +8,9 @@ samples at each metrics record; the thread only reads counters, so it never wait
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import operator
 import os
 import threading
 from pathlib import Path
@@ -75,7 +77,10 @@ class SystemSampler:
     """Samples every `period_s` seconds in a daemon thread; `take()` gives the interval's summary fields, one list
     entry per sampled GPU: gpu_util_pct (mean of NVML's utilization.gpu: the share of time a kernel was running,
     "GPU busy", not SM occupancy or how many SMs worked), gpu_mem_used_gib and gpu_temp_c (max), gpu_power_w
-    (mean); or rss_gib (max) without NVML, `nvml_error` then saying why (also logged once)."""
+    (mean), gpu_sm_clock_mhz (min) and gpu_clock_events (the slowdowns NVML named at any sample: power_cap,
+    hw_slowdown, sw_thermal, hw_thermal, power_brake; both left out where the GPU does not report them): a step
+    slower than its neighbours with a lower clock was slowed by the GPU, not by the host; or rss_gib (max) without
+    NVML, `nvml_error` then saying why (also logged once)."""
 
     def __init__(self, period_s: float = 1.0) -> None:
         self.period_s = period_s
@@ -126,16 +131,19 @@ class SystemSampler:
 
     def _gpu_sample(self) -> dict[str, Any]:
         nv = self.nvml
-        util, mem, power, temp = [], [], [], []
+        fields: dict[str, list[Any]] = {k: [] for k in _FIELDS}
         for h in self.handles:
             try:
-                util.append(float(nv.nvmlDeviceGetUtilizationRates(h).gpu))
-                mem.append(nv.nvmlDeviceGetMemoryInfo(h).used / GIB)
-                power.append(nv.nvmlDeviceGetPowerUsage(h) / 1000.0)  # milliwatts
-                temp.append(float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))
+                values = (float(nv.nvmlDeviceGetUtilizationRates(h).gpu), nv.nvmlDeviceGetMemoryInfo(h).used / GIB,
+                          nv.nvmlDeviceGetPowerUsage(h) / 1000.0,  # milliwatts
+                          float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                          _optional(lambda h=h: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
+                          _optional(lambda h=h: int(_clock_reasons(nv)(h))))
             except Exception:  # one GPU that does not answer a query: its value is left out this time
                 continue
-        return {"gpu_util_pct": util, "gpu_mem_used_gib": mem, "gpu_power_w": power, "gpu_temp_c": temp}
+            for key, value in zip(_FIELDS, values, strict=True):
+                fields[key].append(value)
+        return fields
 
     def take(self) -> dict[str, Any]:
         with self._lock:
@@ -146,11 +154,17 @@ class SystemSampler:
                 samples, self._samples = self._samples, []
         if "rss_gib" in samples[0]:
             return {"rss_gib": max(s["rss_gib"] for s in samples)}
+        whole = [s for s in samples if len(s["gpu_util_pct"]) == len(self.handles)]
         out: dict[str, Any] = {}
         for key, agg in (("gpu_util_pct", _mean), ("gpu_mem_used_gib", max), ("gpu_power_w", _mean),
-                         ("gpu_temp_c", max)):
-            per_gpu = list(zip(*[s[key] for s in samples if len(s[key]) == len(self.handles)], strict=False))
+                         ("gpu_temp_c", max), ("gpu_sm_clock_mhz", min)):
+            per_gpu = list(zip(*[s[key] for s in whole], strict=False))
+            if not per_gpu or any(v is None for gpu in per_gpu for v in gpu):  # a GPU that reports no clock
+                continue
             out[key] = [round(agg(v), 3) for v in per_gpu]
+        bits = list(zip(*[s["gpu_clock_events"] for s in whole], strict=False))
+        if bits and all(v is not None for gpu in bits for v in gpu):
+            out["gpu_clock_events"] = [_event_names(functools.reduce(operator.or_, gpu)) for gpu in bits]
         return out
 
     def close(self) -> None:
@@ -160,6 +174,30 @@ class SystemSampler:
         if self.nvml is not None:
             with contextlib.suppress(Exception):
                 self.nvml.nvmlShutdown()
+
+
+# NVML's clock event ("throttle") reasons that slow a busy GPU: its power cap, heat, a hardware brake. ("Idle" is
+# left out: the record's own sample is taken just after the loop waited for the GPU, which is then idle.)
+_CLOCK_EVENTS = (("power_cap", 0x4), ("hw_slowdown", 0x8), ("sw_thermal", 0x20),
+                 ("hw_thermal", 0x40), ("power_brake", 0x80))
+_FIELDS = ("gpu_util_pct", "gpu_mem_used_gib", "gpu_power_w", "gpu_temp_c", "gpu_sm_clock_mhz", "gpu_clock_events")
+
+
+def _clock_reasons(nv: Any) -> Any:
+    # the name since nvidia-ml-py 12.535; the older one is kept as a deprecated alias
+    return getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+
+
+def _event_names(bits: int) -> list[str]:
+    return [name for name, bit in _CLOCK_EVENTS if bits & bit]
+
+
+def _optional(query: Any) -> Any:
+    """A query some GPUs or drivers do not support (NVMLError_NotSupported): None there."""
+    try:
+        return query()
+    except Exception:
+        return None
 
 
 def _mean(values: Any) -> float:

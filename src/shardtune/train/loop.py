@@ -51,7 +51,7 @@ from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
 from shardtune.parallel.prepare import uses_cudagraphs
 from shardtune.redact import redact
-from shardtune.runtime import young_gc_only
+from shardtune.runtime import GcClock, young_gc_only
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
 
@@ -146,7 +146,7 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     if not run.resume:
         _no_oom(run, "in the evaluation before step 1", run_eval, 0)
     interval = _Interval(run.ctx.device, run.system)
-    with young_gc_only():  # no full GC pass inside a step (they stalled every checkpoint save)
+    with young_gc_only() as interval.gc:  # no full GC pass inside a step (they stalled every checkpoint save)
         for step in range(run.state.step, run.stop):
             _no_oom(run, f"in step {step + 1}", _train_step, run, step, interval)
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
@@ -433,7 +433,9 @@ def _train_step(run: Run, step: int, interval: _Interval) -> None:
         run.profiler.before(step + 1)
     if run.memory is not None:
         run.memory.before(step + 1)
+    started = time.perf_counter()
     micro = [run.data.train_batch(idx) for idx in run.sampler.micro_batches(step)]
+    interval.data_s += time.perf_counter() - started
     _TEST_NAN[0] = float("nan") if step + 1 in _test_nan_steps() else 1.0
     if os.environ.get(TEST_SIGKILL_ENV) == f"{ctx.rank}:{step + 1}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -775,11 +777,17 @@ class _Interval:
     """Loss and token counts between two logged steps; one collective per log, not per step. Its tokens/s,
     MFU and step time count training time only: the evaluation, checkpoint and trace-writing time inside the
     interval is taken out (and logged as eval_s / checkpoint_s / trace_s), so a step that ran an evaluation is
-    not reported slow."""
+    not reported slow. Where a step's time went, for a step slower than its neighbours: `host_s` (per step, the
+    host's time before the record waited on the device: near `step_time_s`, the host set the pace), `data_s` (per
+    step, building the micro-batches), `gc_s` (the interval's garbage collections) and, on CUDA, `alloc_retries`
+    (the caching allocator freed its cache and retried a cudaMalloc: a synchronising stall near full memory)."""
 
     def __init__(self, device: torch.device, sampler: SystemSampler | None = None) -> None:
         self.device = device
         self.sampler = sampler
+        self.gc: GcClock | None = None  # the loop's collections (young_gc_only)
+        self.data_s = 0.0
+        self.retries = _alloc_retries(device)
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.skipped = 0
@@ -801,10 +809,12 @@ class _Interval:
 
     def flush(self, step: int, lr: float, grad_norm: torch.Tensor, fpt: float, peak: float | None,
               ctx: DistContext) -> dict[str, Any]:
+        host = time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s - self.trace_s
         loss_sum, tokens = all_reduce_sum([float(self.loss_sum), float(self.tokens)], self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = max(time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s - self.trace_s, 1e-9)
+        retries = _alloc_retries(self.device)
         ranks = all_gather_floats(_peak_memory_gib(self.device), self.device)  # [allocated, reserved] per rank
         mem = [max(r[0] for r in ranks), max(r[1] for r in ranks)]
         tps = tokens / seconds
@@ -813,11 +823,15 @@ class _Interval:
             "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / ctx.world,
             "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
-            "step_time_s": seconds / self.steps,
+            "step_time_s": seconds / self.steps, "host_s": max(host, 0.0) / self.steps,
+            "data_s": self.data_s / self.steps, "gc_s": self.gc.take() if self.gc is not None else 0.0,
             "peak_mem_gib_ranks": [r[0] for r in ranks], "peak_reserved_gib_ranks": [r[1] for r in ranks],
         }
         if self.sampler is not None:
             record.update(self.sampler.take())
+        if retries > self.retries:
+            record["alloc_retries"] = retries - self.retries
+        self.retries = retries
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
         if self.eval_s:
@@ -828,9 +842,13 @@ class _Interval:
         record.update(self.extra)
         self.comm, self.extra = {}, {}
         self.loss_sum.zero_()
-        self.steps, self.skipped, self.tokens = 0, 0, 0
+        self.steps, self.skipped, self.tokens, self.data_s = 0, 0, 0, 0.0
         self.checkpoint_s, self.eval_s, self.trace_s, self.t0 = 0.0, 0.0, 0.0, time.perf_counter()
         return record
+
+
+def _alloc_retries(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
 
 
 def _peak_memory_gib(device: torch.device) -> list[float]:
