@@ -1,4 +1,5 @@
-"""young_gc_only: no automatic full collection inside the block; young ones go on."""
+"""young_gc_only: no automatic full collection inside the block; young ones go on. collect_between_steps: no
+automatic collection at all, the loop's own between steps, timed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import weakref
 
 import pytest
 
-from shardtune.runtime import young_gc_only
+from shardtune.runtime import collect_between_steps, young_gc_only
 
 
 class _Node:
@@ -61,3 +62,18 @@ def test_young_gc_only_clocks_the_collections_inside_it():
     assert clock not in gc.callbacks
     gc.collect(0)
     assert clock.seconds == 0.0  # not counted outside the block
+
+
+def test_collect_between_steps_runs_only_the_loops_collections_and_frees_cycles():
+    with collect_between_steps() as clock:
+        node = _Node()
+        node.self = node
+        ref = weakref.ref(node)
+        del node
+        seen, kept = _generations_collected_while_allocating(2 * len(gc.get_objects()))
+        assert seen == set() and clock.take() == 0.0  # none inside a step, however much it allocates
+        assert ref() is not None  # the cycle waits for the step's end
+        del kept
+        clock.collect()
+        assert ref() is None and clock.take() > 0.0  # freed there, and timed
+    assert gc.isenabled() and clock not in gc.callbacks

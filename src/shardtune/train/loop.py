@@ -51,7 +51,7 @@ from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
 from shardtune.parallel.prepare import uses_cudagraphs
 from shardtune.redact import redact
-from shardtune.runtime import GcClock, young_gc_only
+from shardtune.runtime import GcClock, collect_between_steps
 from shardtune.train.loss import exact_match, token_loss_sum
 from shardtune.train.optim import OptimizerFactory, build_scheduler, current_lr
 
@@ -146,9 +146,10 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
     if not run.resume:
         _no_oom(run, "in the evaluation before step 1", run_eval, 0)
     interval = _Interval(run.ctx.device, run.system)
-    with young_gc_only() as interval.gc:  # no full GC pass inside a step (they stalled every checkpoint save)
+    with collect_between_steps() as interval.gc:  # no GC pass inside a step (full ones stalled checkpoint saves)
         for step in range(run.state.step, run.stop):
             _no_oom(run, f"in step {step + 1}", _train_step, run, step, interval)
+            interval.gc.collect()  # while the GPU runs the step just queued
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
@@ -785,7 +786,7 @@ class _Interval:
     def __init__(self, device: torch.device, sampler: SystemSampler | None = None) -> None:
         self.device = device
         self.sampler = sampler
-        self.gc: GcClock | None = None  # the loop's collections (young_gc_only)
+        self.gc: GcClock | None = None  # the loop's collections (collect_between_steps)
         self.data_s = 0.0
         self.retries = _alloc_retries(device)
         self.loss_sum = torch.zeros((), device=device)
