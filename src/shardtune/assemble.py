@@ -52,12 +52,14 @@ class BuiltModel:
 
 
 def assemble(model_cfg: ModelConfig, peft: PeftConfig, precision: str, hf_config: Any, device: torch.device,
-             param_shards: int, *, liger_kernels: bool = False, float8: str | None = None) -> BuiltModel:
+             param_shards: int, *, liger_kernels: bool = False, float8: str | None = None,
+             keep_float8_base: bool = False) -> BuiltModel:
     """Build the model a run names, with its adapters, on the meta device. `param_shards`: over how many
     ranks the backend splits each parameter (QLoRA sizes its NF4 blocks for it); `device`: where a preset's
     random weights are drawn; `liger_kernels`: swap in Liger's RMSNorm, RoPE and SwiGLU (the fused loss is the
     loop's: it depends on the backend); `float8`: torchao's recipe for the blocks' Linear layers. Both before
-    sharding and compile, as Liger and torchtitan do."""
+    sharding and compile, as Liger and torchtitan do. `keep_float8_base` (peft.keeps_float8_base): LoRA's frozen
+    float8 layers' weights taken out, to be kept as their casts (load_kept)."""
     base = build_on_meta(hf_config, model_cfg.attn_implementation)
     model, source = base, make_source(model_cfg, hf_config, device)
     if peft.method != "none":
@@ -74,7 +76,7 @@ def assemble(model_cfg: ModelConfig, peft: PeftConfig, precision: str, hf_config
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = decoder_blocks(model, hf_config.model_type)
-    kept = _take_float8_base(model) if peft.base_dtype == "float8" else []
+    kept = _take_float8_base(model, peft.base_dtype == "float8") if keep_float8_base else []
     return BuiltModel(model, base, source, blocks, params, trainable, float8_layers, kept)
 
 
@@ -89,12 +91,13 @@ def load_kept(built: BuiltModel, weights: WeightSource | None, device: torch.dev
     return load_frozen_weights(built.kept, weights, device)
 
 
-def _take_float8_base(model: nn.Module) -> list[Any]:
-    """peft.base_dtype: float8: the frozen float8 layers' weights, out of the model before the backend loads it."""
+def _take_float8_base(model: nn.Module, asked: bool) -> list[Any]:
+    """The frozen float8 layers' weights, out of the model before the backend loads it; none found is an error
+    only where peft.base_dtype: float8 `asked` for them (auto then casts at every pass)."""
     from shardtune.models.float8 import take_frozen_weights
 
     taken = take_frozen_weights(model)
-    if not taken:
+    if not taken and asked:
         raise ShardtuneError("peft.base_dtype: float8 found no frozen float8 layer to keep as its cast; set "
                              "peft.base_dtype=auto")
     return taken

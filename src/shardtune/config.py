@@ -301,9 +301,11 @@ class PeftConfig(_Section):
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
     base_dtype: Literal["auto", "fp32", "bf16", "fp16", "float8"] = Field(
         "auto", description="Storage dtype of the frozen base weights (NF4 ones excepted): auto = the compute "
-                            "precision, as a base loaded for PEFT in bf16; adapters keep fp32 masters. float8 (LoRA "
-                            "with train.float8=tensorwise, the base whole on each GPU): the adapted layers' weights "
-                            "cast to float8 once after loading, their bf16 copies freed.")
+                            "precision, as a base loaded for PEFT in bf16, and float8 where that can run; adapters "
+                            "keep fp32 masters. float8 (LoRA with train.float8=tensorwise, the base whole on each "
+                            "GPU): the adapted layers' weights cast to float8 once after loading, their bf16 copies "
+                            "freed (the same numbers as casting them at every pass, less memory and time). bf16 / "
+                            "fp16 (the compute precision): cast at every pass.")
 
 
 class CheckpointConfig(_Section):

@@ -59,7 +59,7 @@ def test_float8_layers_go_in_on_meta_and_a_float8_base_is_kept_out_until_loaded(
     assert built.float8_layers == 7 * HF.num_hidden_layers and not built.kept
     assert (built.params, built.trainable) == (plain.params, plain.trainable)
     kept = assemble(ModelConfig(preset="tiny-llama"), PeftConfig(method="lora", r=4, base_dtype="float8"), "bf16",
-                    HF, CPU, 1, float8="tensorwise")
+                    HF, CPU, 1, float8="tensorwise", keep_float8_base=True)
     assert len(kept.kept) == kept.float8_layers and kept.params == plain.params
     names = {name for name, _ in kept.model.named_parameters()}
     assert all(name not in names for name, _, _ in kept.kept)  # the backend never sees them
@@ -72,8 +72,39 @@ def test_float8_layers_go_in_on_meta_and_a_float8_base_is_kept_out_until_loaded(
 
 
 def test_a_float8_base_needs_float8_layers():
+    """Asked for (peft.base_dtype: float8) and none to keep: refused; under auto the run casts every pass."""
     from shardtune.errors import ShardtuneError
 
     with pytest.raises(ShardtuneError, match="found no frozen float8 layer"):
         assemble(ModelConfig(preset="tiny-llama"), PeftConfig(method="lora", r=4, base_dtype="float8"), "bf16", HF,
-                 CPU, 1)
+                 CPU, 1, keep_float8_base=True)
+    built = assemble(ModelConfig(preset="tiny-llama"), PeftConfig(method="lora", r=4), "bf16", HF, CPU, 1,
+                     keep_float8_base=True)
+    assert not built.kept
+
+
+@pytest.mark.parametrize("overrides, world, keeps", [
+    (["train.float8=tensorwise"], 1, True),  # auto, one process: the base is whole
+    (["train.float8=tensorwise"], 2, False),  # auto shards the frozen base over two
+    (["train.float8=tensorwise", "parallel.shard_frozen=false"], 2, True),
+    (["train.float8=tensorwise", "parallel.strategy=ddp"], 1, False),
+    (["train.float8=tensorwise", "peft.use_dora=true"], 1, False),
+    (["train.float8=tensorwise", "peft.base_dtype=bf16"], 1, False),  # casting every pass, as asked
+    (["train.float8=rowwise"], 1, False),
+    ([], 1, False),
+    (["train.float8=tensorwise", "parallel.backend=deepspeed", "parallel.strategy=zero2"], 1, False),
+])
+def test_auto_keeps_a_float8_base_where_the_base_is_whole(overrides, world, keeps):
+    """peft.base_dtype: auto keeps LoRA's frozen float8 layers as their casts wherever float8: would be accepted
+    (the same numbers as casting them every pass); the run and the planner apply one rule."""
+    from conftest import ROOT
+
+    from shardtune.config import load_config
+    from shardtune.parallel import BACKENDS
+    from shardtune.peft import keeps_float8_base
+    from shardtune.plan.setting import setting_from_config
+
+    cfg = load_config(str(ROOT / "examples" / "tiny.yaml"), ["peft.method=lora", "train.precision=bf16", *overrides])
+    whole = BACKENDS[cfg.parallel.backend].keeps_float8_base(cfg.parallel, world)
+    assert keeps_float8_base(cfg.peft, cfg.train.float8, whole=whole) == keeps
+    assert setting_from_config(cfg, world, world).base_float8 == keeps

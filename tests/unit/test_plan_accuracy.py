@@ -54,6 +54,9 @@ CHUNK_DIRECT_AUTO_CALL = 47
 # model.liger_chunk: auto became 1024 for LoRA / QLoRA too after call 53 (nineteenth session); their earlier rows ran
 # with Liger's own chunk unless their overrides say otherwise.
 PEFT_CHUNK_AUTO_CALL = 54
+# peft.base_dtype: auto keeps float8 LoRA's base as its casts since the twenty-fifth session (after call 74); earlier
+# float8 rows cast every pass unless their overrides say otherwise.
+FLOAT8_BASE_AUTO_CALL = 75
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -82,6 +85,8 @@ def _predictions() -> list[tuple[dict, object]]:
         elif int(row["call"]) < PEFT_CHUNK_AUTO_CALL and any(o.startswith("peft.method=") and not o.endswith("none")
                                                            for o in overrides):
             overrides = ["model.liger_chunk=0", *overrides]
+        if int(row["call"]) < FLOAT8_BASE_AUTO_CALL and "train.float8=tensorwise" in overrides:
+            overrides = ["peft.base_dtype=bf16", *overrides]  # float8 runs bf16
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured

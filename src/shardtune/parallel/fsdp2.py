@@ -162,5 +162,10 @@ def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
                         direct=runs_direct(cfg, ctx.world))
 
 
+def keeps_float8_base(parallel: ParallelConfig, world: int) -> bool:
+    """The frozen base whole on each GPU outside FSDP2 (the refusal in `check` says where)."""
+    return parallel.strategy != "ddp" and frozen_whole(parallel, world)
+
+
 SPEC = BackendSpec(supports=SUPPORTS, refusals=REFUSALS, make=_make, check=check, describe=describe,
-                   checkpoint_format="dcp", param_shards=param_shards)
+                   checkpoint_format="dcp", param_shards=param_shards, keeps_float8_base=keeps_float8_base)

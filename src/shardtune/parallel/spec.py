@@ -52,6 +52,8 @@ class BackendSpec:
     checkpoint_format: the on-disk format of its checkpoints (a name in checkpoint.formats).
     param_shards: (parallel, world) -> over how many ranks it splits each parameter at rest (1: every rank
                holds whole parameters); QLoRA sizes its NF4 blocks for it.
+    keeps_float8_base: (parallel, world) -> whether LoRA's frozen float8 layers can be kept as their casts (the
+               base whole on each GPU, outside the engine's sharding and casts): peft.keeps_float8_base's `whole`.
     """
 
     supports: dict[str, tuple[str, ...]]
@@ -61,6 +63,7 @@ class BackendSpec:
     describe: DescribeFn
     checkpoint_format: str
     param_shards: Callable[[ParallelConfig, int], int]
+    keeps_float8_base: Callable[[ParallelConfig, int], bool] = lambda parallel, world: False
 
     def refuse_unsupported(self, cfg: Config) -> None:
         """The first setting this backend does not run, as one line with its fix."""

@@ -36,6 +36,19 @@ def check(peft: PeftConfig, optim: OptimConfig, precision: str, *, candidate: bo
                              "pip install -e '.[qlora]' in the shardtune checkout")
 
 
+def keeps_float8_base(peft: PeftConfig, float8: str | bool, *, whole: bool) -> bool:
+    """Whether LoRA's frozen float8 layers are kept as their float8 casts, made once, their compute-dtype weights
+    freed: peft.base_dtype: float8, or auto where it can be (LoRA, not DoRA, with train.float8=tensorwise and the
+    base `whole` on each GPU outside FSDP2). The same numbers as casting the frozen weights at every pass (a
+    frozen weight's tensorwise scale never changes; bit for bit on CPU and on an H200), 6.5 GiB less and +7.8%
+    on the 8B shape's LoRA step (one H100, bench/RESULTS.md twenty-fifth session): the faster setting that keeps
+    parity, so the default of float8 runs. Also the Setting's base_float8 (the planner's copy of this rule)."""
+    if peft.base_dtype == "float8":
+        return True
+    return (peft.base_dtype == "auto" and peft.method == "lora" and not peft.use_dora and float8 == "tensorwise"
+            and whole)
+
+
 def _peft_problem(candidate: bool) -> str | None:
     """Why peft cannot be used (None: it can); for a candidate only whether it is installed."""
     if candidate:

@@ -243,7 +243,7 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
         frozen = 0.0
     elif s.peft == "qlora":
         frozen = m.target_params * NF4_BYTES / pshards + (m.params - m.target_params) * s.frozen_bytes / local
-    elif s.base_dtype == "float8":  # the adapted layers' weights as their float8 casts, 1 byte each
+    elif s.base_float8:  # the adapted layers' weights as their float8 casts, 1 byte each
         frozen = (m.target_params * FLOAT8_BYTES + (m.params - m.target_params) * s.frozen_bytes) / local
     else:
         frozen = m.params * s.frozen_bytes / local

@@ -101,12 +101,14 @@ def liger_hint(plan: Plan) -> str:
 
 
 def float8_hint(plan: Plan) -> str:
-    """What float8 would change for the chosen run, priced (both opt-in): keeping LoRA's frozen float8 layers as
-    their casts where tensorwise is on (peft.base_dtype=float8: the same numbers, less memory), else turning
-    tensorwise on where it runs and is predicted 5% faster or more (float8 matmuls round differently from bf16's)."""
+    """What float8 would change for the chosen run, priced: keeping LoRA's frozen float8 layers as their casts
+    where tensorwise is on and peft.base_dtype names the compute dtype (auto keeps them where it can: the same
+    numbers, less memory), else turning tensorwise on (opt-in) where it runs and is predicted 5% faster or more
+    (float8 matmuls round differently from bf16's)."""
     c = plan.chosen()
     s = c.setting
-    if s.float8 == "tensorwise" and s.peft == "lora" and s.base_dtype == "auto" and s.frozen_local:
+    if s.float8 == "tensorwise" and s.peft == "lora" and s.base_dtype == s.precision and not s.dora \
+            and s.frozen_local:
         kept = _priced(plan, s, base_dtype="float8")
         return (f"peft.base_dtype=float8: {kept.memory.total / GIB:.1f} GiB per GPU predicted (peak at "
                 f"{kept.memory.phase}) against {c.memory.total / GIB:.1f}; the frozen float8 layers cast once")

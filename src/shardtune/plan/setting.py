@@ -29,6 +29,7 @@ class Setting:
     precision: str = "bf16"
     peft: str = "none"  # none | lora | qlora
     base_dtype: str = "auto"
+    dora: bool = False  # peft.use_dora
     optim: str = "adamw"
     attn: str = "sdpa"
     packing: bool = False
@@ -55,6 +56,15 @@ class Setting:
         """Bytes of one frozen base weight under LoRA (peft.base_dtype, auto = the compute precision; float8: as
         loaded, before the adapted layers' casts, and the rest of the base)."""
         return PRECISION_BYTES[self.precision if self.base_dtype in ("auto", "float8") else self.base_dtype]
+
+    @property
+    def base_float8(self) -> bool:
+        """LoRA's frozen float8 layers kept as their casts (peft.keeps_float8_base's rule: float8, or auto where
+        the base is whole on each GPU)."""
+        if self.base_dtype == "float8":
+            return True
+        return (self.base_dtype == "auto" and self.peft == "lora" and not self.dora and self.float8 == "tensorwise"
+                and self.frozen_local)
 
     @property
     def rules(self) -> Any:
@@ -123,7 +133,8 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         one_gpu=p.one_gpu,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
-        base_dtype=cfg.peft.base_dtype, optim=cfg.optim.name, attn=cfg.model.attn_implementation,
+        base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
+        attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),

@@ -56,6 +56,12 @@ FUSED_CHUNK_EFF = 0.6
 # weights' gradients (2 FLOPs per weight and token) that compile drops (peft.base_dtype: float8 never forms them).
 FLOAT8_SPEEDUP = {("tensorwise", "full"): 1.147, ("rowwise", "full"): 0.916,
                   ("tensorwise", "peft"): 1.259, ("rowwise", "peft"): 1.228}
+# LoRA's frozen base cast to float8 at every pass (peft.base_dtype: bf16 under train.float8: tensorwise) reads each
+# adapted weight and writes its cast in the forward, the recompute and the backward: bytes per weight and pass, at
+# HBM speed, fitted on one call (one H100, 8B LoRA, full checkpointing, compiled: the kept casts' step 25.2 ms
+# shorter, 350.9 against 325.7 ms; bench/RESULTS.md twenty-fifth session, call 74). FLOAT8_SPEEDUP's LoRA figure
+# includes these casts (its rows cast every pass): a kept base saves them.
+FLOAT8_CAST_BYTES = 3.6
 # LoRA's adapter matmuls are small and memory-bound: bytes moved per adapter element per token, at HBM speed.
 LORA_OVERHEAD = 0.1
 # The optimizer step streams every trainable parameter's state: fused AdamW reads fp32 p, g, m, v and writes
@@ -235,15 +241,19 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     return pcie + adam + activations
 
 
-def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float) -> float:
+def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float, hw: Any) -> float:
     """Seconds train.float8 takes off the blocks' linear matmuls (FLOAT8_SPEEDUP), less the frozen weights'
-    gradients eager LoRA forms and drops; `seconds_per_flop_token` = tokens / bf16 rate."""
+    gradients eager LoRA forms and drops, plus the per-pass casts a kept float8 base does not make;
+    `seconds_per_flop_token` = tokens / bf16 rate."""
     frozen = s.peft != "none"
     per_weight = (4.0 if frozen else 6.0) + (2.0 if s.activation_checkpointing == "full" else 0.0)
     linear = per_weight * m.layers * m.block_params * seconds_per_flop_token
     saving = linear * (1.0 - 1.0 / FLOAT8_SPEEDUP[(s.float8, "peft" if frozen else "full")])
-    if frozen and not s.compile and s.base_dtype != "float8":  # its kept casts skip the weights' gradients
+    if frozen and not s.compile and not s.base_float8:  # its kept casts skip the weights' gradients
         saving -= 2.0 * m.layers * m.block_params * seconds_per_flop_token / FLOAT8_SPEEDUP[(s.float8, "peft")]
+    if frozen and s.base_float8:
+        passes = 2 if s.activation_checkpointing == "none" else 3
+        saving += passes * s.grad_accum * m.target_params * FLOAT8_CAST_BYTES / hw.hbm_bytes_per_s
     return saving
 
 
@@ -253,7 +263,7 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     counted, run = attention_flops_per_token(m, s)
     compute = tokens * (train_flops_per_token(m, s) - counted) / rate
     if s.float8 != "false":
-        compute -= float8_saving(m, s, tokens / rate)
+        compute -= float8_saving(m, s, tokens / rate, hw)
     # Eager attention is batched matmuls at the GEMM rate; the fused kernels run at their own.
     compute += tokens * run / (rate if s.attn == "eager" else hw.bf16_flops * hw.matmul_efficiency * ATTN_EFF)
     if s.peft != "none":

@@ -50,6 +50,7 @@ from shardtune.models.tokenizer import check_vocab, load_tokenizer
 from shardtune.parallel import BACKENDS, make_backend, memory_fixes
 from shardtune.parallel.base import Backend
 from shardtune.parallel.prepare import uses_cudagraphs
+from shardtune.peft import keeps_float8_base
 from shardtune.redact import redact
 from shardtune.runtime import GcClock, collect_between_steps
 from shardtune.train.loss import exact_match, token_loss_sum
@@ -232,8 +233,10 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     spec = BACKENDS[cfg.parallel.backend]
     liger = use_liger(cfg.model.liger, ctx.device.type, hf_config.model_type)
     kernels = liger and liger_kernels_wanted(cfg.model.liger, cfg.parallel.compile)
+    whole = spec.keeps_float8_base(cfg.parallel, ctx.world)
     built = assemble(cfg.model, cfg.peft, t.precision, hf_config, ctx.device,
-                     spec.param_shards(cfg.parallel, ctx.world), liger_kernels=kernels, float8=t.float8 or None)
+                     spec.param_shards(cfg.parallel, ctx.world), liger_kernels=kernels, float8=t.float8 or None,
+                     keep_float8_base=keeps_float8_base(cfg.peft, t.float8, whole=whole))
     if built.adapters:  # checkpoints (hf/adapter_config.json) and the final adapter name a loadable base
         from shardtune.peft.lora import adapter_base
 
