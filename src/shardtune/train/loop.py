@@ -782,7 +782,9 @@ class _Interval:
     MFU and step time count training time only: the evaluation, checkpoint and trace-writing time inside the
     interval is taken out (and logged as eval_s / checkpoint_s / trace_s), so a step that ran an evaluation is
     not reported slow. Where a step's time went, for a step slower than its neighbours: `host_s` (per step, the
-    host's time before the record waited on the device: near `step_time_s`, the host set the pace), `data_s` (per
+    host's time before the record's read waited on the device: well below `step_time_s`, the host had time to
+    spare; near it, either the host set the pace or its launches waited for the GPU's full launch queue, as in
+    every 8B LoRA step measured, GPU-bound or not: then the sampler's clock and busy % tell which), `data_s` (per
     step, building the micro-batches), `gc_s` (the interval's garbage collections) and, on CUDA, `alloc_retries`
     (the caching allocator freed its cache and retried a cudaMalloc: a synchronising stall near full memory)."""
 
