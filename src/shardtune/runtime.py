@@ -55,7 +55,7 @@ def collect_between_steps() -> Iterator[GcClock]:
 
 
 @contextlib.contextmanager
-def young_gc_only() -> Iterator[GcClock]:
+def young_gc_only() -> Iterator[None]:
     """No automatic full garbage collection inside the block; young collections go on as usual.
 
     A training or export process holds 300-500 thousand long-lived objects (imported code, modules,
@@ -68,15 +68,11 @@ def young_gc_only() -> Iterator[GcClock]:
     leaves (some 930 a step for the tiny model on CPU); what survives into the old generation waits
     for the block's end (tiny model on CPU, 1,000 steps with an async save every 20: the old
     generation grew by ~25 objects a save, and not at all without saves). Python 3.14's incremental
-    collector makes no full passes; there the old generation's threshold is ignored. Yields a GcClock of the
-    collections inside the block."""
+    collector makes no full passes; there the old generation's threshold is ignored."""
     thresholds = gc.get_threshold()
     gc.collect()
     gc.set_threshold(thresholds[0], thresholds[1], _NEVER)
-    clock = GcClock()
-    gc.callbacks.append(clock)
     try:
-        yield clock
+        yield
     finally:
-        gc.callbacks.remove(clock)
         gc.set_threshold(*thresholds)

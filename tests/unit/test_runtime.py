@@ -50,20 +50,6 @@ def test_young_gc_only_stops_full_collections_and_keeps_young_ones():
     assert gc.get_threshold() == before
 
 
-def test_young_gc_only_clocks_the_collections_inside_it():
-    with young_gc_only() as clock:
-        assert clock.take() == 0.0
-        gc.collect(0)
-        first = clock.take()
-        assert first > 0.0 and clock.take() == 0.0  # taken once
-        kept = [[] for _ in range(50_000)]  # ~70 automatic young collections
-        assert clock.take() > 0.0
-        del kept
-    assert clock not in gc.callbacks
-    gc.collect(0)
-    assert clock.seconds == 0.0  # not counted outside the block
-
-
 def test_collect_between_steps_runs_only_the_loops_collections_and_frees_cycles():
     with collect_between_steps() as clock:
         node = _Node()
