@@ -123,7 +123,8 @@ def test_a_float8_lora_run_trains_like_bf16_lora_and_saves_its_adapter(tmp_path,
         assert kept == (mode == "cached"), proc.stderr[-3000:]
         if mode == "tensorwise":
             assert "float8 (tensorwise): 14 linear layers" in proc.stderr  # the base layers only
-            assert "set parallel.compile=true" in proc.stderr  # eager: the frozen weights' gradients for nothing
+            # eager: the frozen weights' gradients for nothing; auto would keep the casts here
+            assert "(set parallel.compile=true, or peft.base_dtype=auto)" in proc.stderr
     assert runs["tensorwise"] != runs["false"]
     for a, b in zip(runs["false"], runs["tensorwise"], strict=True):
         assert b == pytest.approx(a, rel=0.05)
@@ -141,6 +142,7 @@ def test_a_float8_lora_run_trains_like_bf16_lora_and_saves_its_adapter(tmp_path,
     (["peft.method=lora", "train.float8=rowwise"], "set peft.method=lora and train.float8=tensorwise"),
     (["peft.method=none", "train.float8=tensorwise"], "set peft.method=lora and train.float8=tensorwise"),
     (["peft.method=lora", "train.float8=tensorwise", "parallel.strategy=ddp"], "whole on each GPU"),
+    (["peft.method=lora", "train.float8=tensorwise", "peft.use_dora=true"], "DoRA"),
 ])
 def test_a_float8_base_is_refused_where_it_cannot_be_kept(overrides, message, cli):
     from shardtune.validate import check_combination

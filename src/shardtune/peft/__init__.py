@@ -23,6 +23,9 @@ def check(peft: PeftConfig, optim: OptimConfig, precision: str, *, candidate: bo
     if peft.method == "qlora" and peft.use_dora:
         raise ShardtuneError("peft.use_dora: DoRA reads the dequantized base weight, which NF4 weights do not "
                              "offer here; use peft.method=lora with DoRA, or qlora without it")
+    if peft.base_dtype == "float8" and peft.use_dora:
+        raise ShardtuneError("peft.base_dtype: float8 frees the frozen weights DoRA reads (its weight norm); set "
+                             "peft.base_dtype=auto, or peft.use_dora=false")
     if peft.base_dtype == "float8" and (peft.method != "lora" or float8 != "tensorwise"):
         raise ShardtuneError("peft.base_dtype: float8 keeps LoRA's frozen base as the float8 casts of "
                              "train.float8=tensorwise (made once); set peft.method=lora and train.float8=tensorwise, "

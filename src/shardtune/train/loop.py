@@ -148,9 +148,10 @@ def _run(cfg: Config, ctx: DistContext | None, overwrite: bool) -> TrainResult:
         _no_oom(run, "in the evaluation before step 1", run_eval, 0)
     interval = _Interval(run.ctx.device, run.system)
     with collect_between_steps() as interval.gc:  # no GC pass inside a step (full ones stalled checkpoint saves)
+        interval.t0 = time.perf_counter()  # the first interval leaves out the collection before the loop
         for step in range(run.state.step, run.stop):
             _no_oom(run, f"in step {step + 1}", _train_step, run, step, interval)
-            interval.gc.collect()  # while the GPU runs the step just queued
+            interval.gc.collect()  # while the GPU runs the step just queued, where nothing made the host wait
             if run.state.stopped_by or run.state.bad_in_row >= run.cfg.train.max_bad_steps:
                 break
             if run.cfg.train.eval_every and run.state.step % run.cfg.train.eval_every == 0 \
@@ -252,9 +253,11 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
                             "them)")
     if t.float8:
         eager_lora = built.adapters and not cfg.parallel.compile and not built.kept
+        could_keep = keeps_float8_base(cfg.peft.model_copy(update={"base_dtype": "auto"}), t.float8, whole=whole)
         log_rank0(ctx.rank, f"float8 ({t.float8}): {built.float8_layers} linear layers" + (
             "; without parallel.compile the frozen layers' weight gradients are computed and dropped each step "
-            "(set parallel.compile=true, or peft.base_dtype=float8)" if eager_lora else ""))
+            "(set parallel.compile=true" + (", or peft.base_dtype=auto" if could_keep else "") + ")"
+            if eager_lora else ""))
     if hasattr(backend, "skip_nonfinite"):
         backend.skip_nonfinite = t.skip_nonfinite
     # Resuming full fine-tuning: the checkpoint overwrites every parameter, so the initial weights
@@ -784,8 +787,10 @@ class _Interval:
     not reported slow. Where a step's time went, for a step slower than its neighbours: `host_s` (per step, the
     host's time before the record's read waited on the device: well below `step_time_s`, the host had time to
     spare; near it, either the host set the pace or its launches waited for the GPU's full launch queue, as in
-    every 8B LoRA step measured, GPU-bound or not: then the sampler's clock and busy % tell which), `data_s` (per
-    step, building the micro-batches), `gc_s` (the interval's garbage collections) and, on CUDA, `alloc_retries`
+    every 8B LoRA step measured, GPU-bound or not: then the sampler's clock and busy % tell which; on several
+    processes each step's agreement on stop / save requests waits for the GPU, so there it is always near),
+    `data_s` (per
+    step, building the micro-batches), `gc_s` (per step, garbage collection) and, on CUDA, `alloc_retries`
     (the caching allocator freed its cache and retried a cudaMalloc: a synchronising stall near full memory)."""
 
     def __init__(self, device: torch.device, sampler: SystemSampler | None = None) -> None:
@@ -830,7 +835,7 @@ class _Interval:
             "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / ctx.world,
             "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
             "step_time_s": seconds / self.steps, "host_s": max(host, 0.0) / self.steps,
-            "data_s": self.data_s / self.steps, "gc_s": self.gc.take() if self.gc is not None else 0.0,
+            "data_s": self.data_s / self.steps, "gc_s": (self.gc.take() if self.gc is not None else 0.0) / self.steps,
             "peak_mem_gib_ranks": [r[0] for r in ranks], "peak_reserved_gib_ranks": [r[1] for r in ranks],
         }
         if self.sampler is not None:
