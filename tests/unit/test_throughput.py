@@ -157,3 +157,24 @@ def test_the_throughput_line_on_a_gpu_shows_mfu_and_both_peaks():
     assert line.startswith("throughput: 52,800 tokens/s (52,800 per device, 52,000-53,000), MFU 50.0%, "
                            "peak memory 27.1 GiB allocated, 30.1 GiB reserved; median of 3 logged intervals "
                            "from step 10"), line
+
+
+def test_allocator_retries_are_the_intervals_own_and_summed_over_ranks(monkeypatch):
+    # The caching allocator's retry counter only grows over a run; each record carries the retries of its own
+    # interval, and on several processes the sum with each rank's count (the rank near its memory limit).
+    from shardtune.dist import DistContext
+    from shardtune.train import loop
+
+    counter = iter([3, 3, 5, 5])  # at the interval's start, then at three flushes
+    monkeypatch.setattr(loop, "_alloc_retries", lambda device: next(counter))
+    cpu = torch.device("cpu")
+    interval = loop._Interval(cpu)
+    ctx = DistContext(0, 1, 0, cpu)
+    records = []
+    for step in (1, 2, 3):
+        interval.add(torch.tensor(1.0), 8)
+        records.append(interval.flush(step, 1e-3, torch.tensor(1.0), 1.0, None, ctx))
+    assert [r.get("alloc_retries") for r in records] == [None, 2, None]
+    assert "alloc_retries_ranks" not in records[1]
+    assert loop._retries_fields([0, 0]) == {}
+    assert loop._retries_fields([0, 4, 1]) == {"alloc_retries": 5, "alloc_retries_ranks": [0, 4, 1]}

@@ -791,7 +791,8 @@ class _Interval:
     processes each step's agreement on stop / save requests waits for the GPU, so there it is always near),
     `data_s` (per
     step, building the micro-batches), `gc_s` (per step, garbage collection) and, on CUDA, `alloc_retries`
-    (the caching allocator freed its cache and retried a cudaMalloc: a synchronising stall near full memory)."""
+    (the caching allocator freed its cache and retried a cudaMalloc: a synchronising stall near full memory;
+    summed over ranks, with `alloc_retries_ranks` on several: one rank's stall holds up every collective)."""
 
     def __init__(self, device: torch.device, sampler: SystemSampler | None = None) -> None:
         self.device = device
@@ -826,7 +827,9 @@ class _Interval:
             torch.cuda.synchronize(self.device)
         seconds = max(time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s - self.trace_s, 1e-9)
         retries = _alloc_retries(self.device)
-        ranks = all_gather_floats(_peak_memory_gib(self.device), self.device)  # [allocated, reserved] per rank
+        # [allocated, reserved, allocator retries in the interval] per rank, in one collective
+        ranks = all_gather_floats([*_peak_memory_gib(self.device), float(retries - self.retries)], self.device)
+        self.retries = retries
         mem = [max(r[0] for r in ranks), max(r[1] for r in ranks)]
         tps = tokens / seconds
         record = {
@@ -840,9 +843,7 @@ class _Interval:
         }
         if self.sampler is not None:
             record.update(self.sampler.take())
-        if retries > self.retries:
-            record["alloc_retries"] = retries - self.retries
-        self.retries = retries
+        record.update(_retries_fields([int(r[2]) for r in ranks]))
         if self.checkpoint_s:
             record["checkpoint_s"] = self.checkpoint_s
         if self.eval_s:
@@ -856,6 +857,14 @@ class _Interval:
         self.steps, self.skipped, self.tokens, self.data_s = 0, 0, 0, 0.0
         self.checkpoint_s, self.eval_s, self.trace_s, self.t0 = 0.0, 0.0, 0.0, time.perf_counter()
         return record
+
+
+def _retries_fields(per_rank: list[int]) -> dict[str, Any]:
+    """The allocator-retry fields of a record: none where no rank retried; the sum, and each rank's count where
+    there are several (the rank that stalled is the one near its memory limit)."""
+    if not any(per_rank):
+        return {}
+    return {"alloc_retries": sum(per_rank), **({"alloc_retries_ranks": per_rank} if len(per_rank) > 1 else {})}
 
 
 def _alloc_retries(device: torch.device) -> int:
