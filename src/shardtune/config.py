@@ -159,7 +159,8 @@ class ParallelConfig(_Section):
         "default", description="torch.compile's mode for each block (with parallel.compile): reduce-overhead adds "
                                "CUDA graphs (fewer kernel launches from the host, more memory), max-autotune "
                                "benchmarks Triton / cuBLAS choices while compiling (minutes) and adds CUDA graphs, "
-                               "max-autotune-no-cudagraphs without them.")
+                               "max-autotune-no-cudagraphs without them. CUDA graphs not with activation "
+                               "checkpointing (pytorch/pytorch#154306).")
     compile_options: dict[str, Any] | None = Field(
         None, description="Inductor options for each block's torch.compile (its options=; the names "
                           "torch._inductor.config has), e.g. {cpp_wrapper: true}: a C++ wrapper that "

@@ -9,7 +9,7 @@ from conftest import ROOT
 
 from shardtune.config import ConfigError, load_config
 from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
-from shardtune.parallel import prepare
+from shardtune.parallel import prepare, uses_cudagraphs
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -40,7 +40,7 @@ def test_the_settings_become_torch_compile_arguments():
 
 def test_cuda_graph_settings_are_recognised():
     def graphs(*overrides):
-        return prepare.uses_cudagraphs(load_config(TINY, list(overrides)).parallel)
+        return uses_cudagraphs(load_config(TINY, list(overrides)).parallel)
 
     assert not graphs() and not graphs("parallel.compile=true")
     assert graphs("parallel.compile=true", "parallel.compile_mode=reduce-overhead")
@@ -67,3 +67,31 @@ def test_the_options_reach_each_blocks_compile(tmp_path):
         losses.append(float(model(input_ids=ids, labels=ids).loss))
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert list(tmp_path.rglob("output_code.py")), "Inductor wrote no trace: the options did not reach compile"
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_cuda_graphs_under_checkpointing_are_refused_before_launch(ac, cli):
+    # torch's CUDA graph trees stop the first backward under checkpointing's recompute (pytorch/pytorch#154306;
+    # 8B LoRA on an H100): refused by validate in one line, with the fix
+    proc = cli("validate", TINY, "parallel.compile=true", "parallel.compile_mode=reduce-overhead",
+               f"parallel.activation_checkpointing={ac}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "parallel.compile_mode=reduce-overhead" in lines[0] and "pytorch/pytorch#154306" in lines[0]
+    assert "max-autotune-no-cudagraphs" in lines[0] and "activation_checkpointing=none" in lines[0]
+    ok = cli("validate", TINY, "parallel.compile=true", "parallel.compile_mode=reduce-overhead",
+             "parallel.activation_checkpointing=none")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_the_planner_picks_no_checkpointing_with_cuda_graphs():
+    from shardtune.models.presets import preset_config
+    from shardtune.plan import make_plan
+    from shardtune.plan.hardware import lookup
+
+    cfg = load_config("bench/bench.yaml", ["data.train_file=examples/data/tasks.jsonl", "model.preset=llama-3.2-1b",
+                                           "parallel.strategy=auto", "parallel.compile=true",
+                                           "parallel.compile_mode=reduce-overhead"])
+    plan = make_plan(cfg, preset_config("llama-3.2-1b"), lookup("h200"), world=1, per_node=1)
+    assert plan.pick is not None and plan.pick.setting.activation_checkpointing == "none"
+    assert {c.setting.activation_checkpointing for c in plan.result.candidates} == {"none"}

@@ -55,6 +55,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     spec = BACKENDS[cfg.parallel.backend]
     spec.refuse_unsupported(cfg)
     check_strategy(cfg.parallel)
+    check_cudagraphs(cfg.parallel)
     spec.check(cfg, None if world is None else world * nnodes, device, candidate=candidate, per_node=world)
 
 
@@ -86,6 +87,29 @@ def host_memory_fixes(cfg: Config, gpus: int) -> list[str]:
     if not gpus and isinstance(t.micro_batch_size, int) and t.micro_batch_size > 1:  # on CPU, activations too
         fixes.append(f"train.micro_batch_size={t.micro_batch_size // 2} train.grad_accum={t.grad_accum * 2}")
     return [*fixes, "fewer processes on this node (--nproc)", "a node with more memory"]
+
+
+def uses_cudagraphs(parallel: ParallelConfig) -> bool:
+    """Whether the compiled blocks replay CUDA graphs (compile_mode reduce-overhead / max-autotune, or Inductor's
+    triton.cudagraphs option): the loop then marks each micro-batch's start for CUDA graph trees, whose outputs
+    are overwritten by the next replay (torch.compiler.cudagraph_mark_step_begin)."""
+    if not parallel.compile:
+        return False
+    options = parallel.compile_options or {}
+    return parallel.compile_mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
+
+
+def check_cudagraphs(p: ParallelConfig) -> None:
+    """CUDA graph trees under activation checkpointing: the recompute in backward keeps a graph's input alive
+    that died while it was recorded, and torch stops the run in the first backward ("graph recording observed an
+    input tensor deallocate during graph recording that did not occur during replay", pytorch/pytorch#154306;
+    8B LoRA with full checkpointing on an H100, bench/RESULTS.md twenty-sixth session). Refused before launch."""
+    if uses_cudagraphs(p) and p.activation_checkpointing != "none":
+        what = (f"parallel.compile_mode={p.compile_mode}" if p.compile_mode != "default"
+                else "parallel.compile_options triton.cudagraphs")
+        raise ShardtuneError(f"{what}: CUDA graphs fail in the recompute of activation_checkpointing "
+                             f"{p.activation_checkpointing} (pytorch/pytorch#154306); use parallel.compile_mode="
+                             "default or max-autotune-no-cudagraphs, or parallel.activation_checkpointing=none")
 
 
 def check_strategy(p: ParallelConfig) -> None:

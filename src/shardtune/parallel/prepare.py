@@ -237,16 +237,6 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     return offload
 
 
-def uses_cudagraphs(parallel: ParallelConfig) -> bool:
-    """Whether the compiled blocks replay CUDA graphs (compile_mode reduce-overhead / max-autotune, or Inductor's
-    triton.cudagraphs option): the loop then marks each micro-batch's start for CUDA graph trees, whose outputs
-    are overwritten by the next replay (torch.compiler.cudagraph_mark_step_begin)."""
-    if not parallel.compile:
-        return False
-    options = parallel.compile_options or {}
-    return parallel.compile_mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
-
-
 def compile_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
     """torch.compile's arguments for each block: parallel.compile_mode or parallel.compile_options (not both)."""
     if parallel.compile_options:

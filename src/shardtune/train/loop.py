@@ -47,9 +47,8 @@ from shardtune.metrics.system import SystemSampler
 from shardtune.models.build import load_hf_config, write_config
 from shardtune.models.liger_rules import auto_would_take, head_adapted, liger_kernels_wanted, use_liger
 from shardtune.models.tokenizer import check_vocab, load_tokenizer
-from shardtune.parallel import BACKENDS, make_backend, memory_fixes
+from shardtune.parallel import BACKENDS, make_backend, memory_fixes, uses_cudagraphs
 from shardtune.parallel.base import Backend
-from shardtune.parallel.prepare import uses_cudagraphs
 from shardtune.peft import keeps_float8_base
 from shardtune.redact import redact
 from shardtune.runtime import GcClock, collect_between_steps
