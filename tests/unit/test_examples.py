@@ -31,7 +31,7 @@ def test_gpu_examples_pack_the_chat_set_with_flex_attention(path: Path):
 
 
 def test_gpu_examples_exist():
-    assert {p.name for p in GPU_EXAMPLES} >= {"llama-1b.yaml", "llama-8b-deepspeed-offload.yaml"}
+    assert {p.name for p in GPU_EXAMPLES} >= {"llama-1b.yaml", "llama-8b-deepspeed-offload.yaml", "llama-8b-lora.yaml"}
 
 
 def test_packing_the_chat_set_pays_at_least_3x(tmp_path: Path):
