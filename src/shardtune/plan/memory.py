@@ -54,6 +54,12 @@ CACHED_TRANSIENTS = 3.7
 # both recipes); it predicts 8B LoRA's recomputed block 0.17 GiB smaller, measured 0.18 (tensorwise; rowwise 0.00).
 # Eager float8 saves its bf16 inputs: no change.
 FLOAT8_ACTIVATIONS = 0.676
+# Compiled blocks under checkpointing: the recomputed block's backward (one Inductor graph) holds more than the
+# eager count above, by about 3.6 x p x f per token: 8B LoRA at 4,096 tokens 0.39 GiB over (3.56, calls 38-66, seven
+# rows), 8B QLoRA at 131,072 tokens with activation offload 12.95 GiB over (3.70, an H100, call 76, bench/RESULTS.md
+# twenty-sixth session); 8B QLoRA at 4,096 tokens is 0.3 GiB more again (its NF4 weights' bf16 copies, not
+# counted). What the graph keeps is not known: a memory snapshot cannot record these runs (pytorch/pytorch#179536).
+COMPILED_RECOMPUTE = 3.6
 # peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer),
 # loaded one layer at a time (assemble.load_kept), so the bf16 base is never whole on the GPU.
 FLOAT8_BYTES = 1.0
@@ -138,8 +144,10 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     backward then makes the gradients of both factors (2pf) before the product's gradient is freed: the saved
     activations less pf plus 3pf, so 2pf per token over the saved ones. Measured (bench/RESULTS.md 2026-12-04):
     8B QLoRA at 327,680 tokens with full checkpointing peaked 17.5 GiB above the recomputed block's saved
-    activations; 2pf x 327,680 tokens is 17.5 GiB."""
-    return 2.0 * s.compute_bytes * m.ffn * s.tokens
+    activations; 2pf x 327,680 tokens is 17.5 GiB. A compiled block's backward under checkpointing holds
+    COMPILED_RECOMPUTE x pf per token more."""
+    extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
+    return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens
 
 
 def offloaded_activations(m: ModelShape, s: Setting) -> float:
