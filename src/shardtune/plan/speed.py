@@ -228,7 +228,9 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     node share its cores); NVMe adds reading and writing the states (not modelled beyond the host rate).
     parallel.activation_offload copies the offloaded activations out in forward and back in backward, once per
     micro-batch, priced as if not overlapped with compute (as measured in 2026-12-04 with torch's save_on_cpu's
-    blocking copies; the side-stream copies of parallel/prepare.py, which overlap, are not measured yet)."""
+    blocking copies). The side-stream copies of parallel/prepare.py overlap: 8B QLoRA at 131,072 tokens ran 8%
+    above this price on an H100 (call 76), with no run without offload in that call to say how much of the 8% is
+    the copies; kept until one does (bench/RESULTS.md "Next GPU calls")."""
     activations = 2 * offloaded_activations(m, s) * s.grad_accum / hw.h2d_bytes_per_s
     if s.offload == "none":
         return activations
