@@ -9,7 +9,8 @@ default now). Prints per variant the median step time of `--steps` steps with mi
 and the offloaded runs' loss and input gradients against the plain run's (relative; `none_again`, the plain step
 repeated, is the noise floor).
 
-    PYTHONPATH=src python3 bench/probe_offload.py                        (one H200: ~1 minute)
+    PYTHONPATH=src python3 bench/probe_offload.py                        (one GPU: ~1 minute estimated; at
+                                                                          --tokens 32768 over 190 s on an H100)
     PYTHONPATH=src python3 bench/probe_offload.py --cpu --tiny --steps 2  (the plumbing, on CPU)
 """
 
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the tiny-llama preset, 256 tokens")
     ap.add_argument("--layers", type=int, default=8)  # enough that the host cannot queue all of backward at once
-    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--tokens", type=int, default=16384)  # 32768: ~1.3 s a step on an H100 (attention)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
