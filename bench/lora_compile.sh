@@ -3,7 +3,8 @@
 # micro-batch 2, checkpointing, compiled blocks, model.liger=loss, one H200)? Call 57's profile of that step
 # (bench/profile_2026-12-04_call57/) had the GPU idle 11% of it, mostly in launch gaps inside the compiled blocks.
 # Runs HF + PEFT + Liger once, then shardtune with each setting in VARIANTS (NAME=OVERRIDES, ';'-separated list;
-# default: the defaults, parallel.compile_options={cpp_wrapper: true}, parallel.compile_mode=reduce-overhead).
+# default: the defaults (bf16), float8 (its base kept as float8 casts), float8 at micro-batch 4: the rows README quotes;
+# CUDA graphs are refused under table 2's checkpointing, pytorch/pytorch#154306, and cpp_wrapper fails on torch 2.11).
 #
 #   run tool: kind nvidia-h200, carry [".whl", ".anchors"], timeout_s 600, command: bash bench/lora_compile.sh
 #
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.." || exit 1
 O=${OUT:-/tmp/bench_out}
 mkdir -p "$O"
 START=$SECONDS BUDGET=${BUDGET:-560} M=${METHOD:-lora}
-VARIANTS=${VARIANTS:-"default=;cpp_wrapper='parallel.compile_options={cpp_wrapper: true}';reduce_overhead=parallel.compile_mode=reduce-overhead"}
+VARIANTS=${VARIANTS:-"default=;f8=train.float8=tensorwise;f8_mb4=train.float8=tensorwise train.micro_batch_size=4"}
 export STEPS=${STEPS:-42} WARMUP=${WARMUP:-10} SIZE=${SIZE:-8b}
 run() {  # run TAG RUNS BASELINES EXTRA
   local left=$((BUDGET - (SECONDS - START)))

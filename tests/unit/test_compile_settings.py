@@ -95,3 +95,13 @@ def test_the_planner_picks_no_checkpointing_with_cuda_graphs():
     plan = make_plan(cfg, preset_config("llama-3.2-1b"), lookup("h200"), world=1, per_node=1)
     assert plan.pick is not None and plan.pick.setting.activation_checkpointing == "none"
     assert {c.setting.activation_checkpointing for c in plan.result.candidates} == {"none"}
+
+
+def test_auto_with_cuda_graphs_and_checkpointing_set_says_why(cli):
+    # strategy auto with checkpointing fixed by the config: every candidate is refused for the CUDA graphs, and the
+    # error says so (not "nothing fits" with fixes that do not apply)
+    proc = cli("validate", TINY, "parallel.strategy=auto", "parallel.compile=true",
+               "parallel.compile_mode=reduce-overhead", "parallel.activation_checkpointing=full")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "pytorch/pytorch#154306" in lines[0] and "fits" not in lines[0], lines[0]

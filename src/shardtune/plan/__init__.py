@@ -367,8 +367,16 @@ def resolve_auto(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_nod
     hw = hardware or cpu_hardware(per_node)
     plan = make_plan(cfg, hf_config, hw, world=world, per_node=per_node)
     if plan.auto and plan.pick is None and not force:
+        from shardtune.parallel import check_cudagraphs, uses_cudagraphs
+
+        graphs = uses_cudagraphs(cfg.parallel)
+        if graphs:
+            check_cudagraphs(cfg.parallel)  # checkpointing set with CUDA graphs: that refusal, not "nothing fits"
         raise ShardtuneError(f"{', '.join(plan.auto)}: auto, but no way to run this config fits on {hw.name} "
-                             f"({hw.memory_bytes / GIB:.0f} GiB per GPU); use more GPUs{_peft_hint(plan)}"
+                             f"({hw.memory_bytes / GIB:.0f} GiB per GPU)"
+                             + (" without activation checkpointing, which CUDA graphs rule out (pytorch/pytorch"
+                                "#154306); use parallel.compile_mode=default, more GPUs" if graphs else
+                                "; use more GPUs") + f"{_peft_hint(plan)}"
                              f"{logits_hint(plan)}, a shorter train.seq_len, or set the strategy and --force")
     if hardware is not None and not force:
         line = refusal(plan)

@@ -59,6 +59,7 @@ FLOAT8_ACTIVATIONS = 0.676
 # rows), 8B QLoRA at 131,072 tokens with activation offload 12.95 GiB over (3.70, an H100, call 76, bench/RESULTS.md
 # twenty-sixth session); 8B QLoRA at 4,096 tokens is 0.3 GiB more again (its NF4 weights' bf16 copies, not
 # counted). What the graph keeps is not known: a memory snapshot cannot record these runs (pytorch/pytorch#179536).
+# Counted under selective checkpointing too (not measured there: the larger guess, so a plan errs toward not fitting).
 COMPILED_RECOMPUTE = 3.6
 # peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer),
 # loaded one layer at a time (assemble.load_kept), so the bf16 base is never whole on the GPU.

@@ -827,7 +827,8 @@ class _Interval:
         seconds = max(time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s - self.trace_s, 1e-9)
         retries = _alloc_retries(self.device)
         # [allocated, reserved, allocator retries in the interval] per rank, in one collective
-        ranks = all_gather_floats([*_peak_memory_gib(self.device), float(retries - self.retries)], self.device)
+        ranks = all_gather_floats([*_peak_memory_gib(self.device), float(max(retries - self.retries, 0))],
+                                  self.device)
         self.retries = retries
         mem = [max(r[0] for r in ranks), max(r[1] for r in ranks)]
         tps = tokens / seconds
