@@ -178,3 +178,40 @@ def test_allocator_retries_are_the_intervals_own_and_summed_over_ranks(monkeypat
     assert "alloc_retries_ranks" not in records[1]
     assert loop._retries_fields([0, 0]) == {}
     assert loop._retries_fields([0, 4, 1]) == {"alloc_retries": 5, "alloc_retries_ranks": [0, 4, 1]}
+
+
+def _flush_as_rank(rank: int, store: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from shardtune.dist import DistContext
+    from shardtune.train import loop
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    cpu = torch.device("cpu")
+    interval = loop._Interval(cpu)
+    interval.data_s = 0.4 if rank == 1 else 0.1  # rank 1 built its batches slowly
+    for _ in range(2):
+        interval.add(torch.tensor(1.0), 8)
+    record = interval.flush(2, 1e-3, torch.tensor(1.0), 1.0, None, DistContext(rank, 2, rank, cpu))
+    Path(out, f"{rank}.json").write_text(json.dumps(record))
+    dist.barrier()
+    os._exit(0)  # no gloo teardown at interpreter exit (pytorch/pytorch#179291)
+
+
+def test_records_carry_the_slowest_ranks_batch_time(tmp_path):
+    # Real gloo group of two processes: each rank's record says the slowest rank's batch-building time per step
+    # (every rank waits for it at the step's first collective), the same on every rank.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    procs = [ctx.Process(target=_flush_as_rank, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, p.exitcode
+    records = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert [r["data_s"] for r in records] == [pytest.approx(0.2), pytest.approx(0.2)]
+    assert all(len(r["peak_mem_gib_ranks"]) == 2 and "alloc_retries" not in r for r in records)

@@ -788,10 +788,10 @@ class _Interval:
     spare; near it, either the host set the pace or its launches waited for the GPU's full launch queue, as in
     every 8B LoRA step measured, GPU-bound or not: then the sampler's clock and busy % tell which; on several
     processes each step's agreement on stop / save requests waits for the GPU, so there it is always near),
-    `data_s` (per
-    step, building the micro-batches), `gc_s` (per step, garbage collection) and, on CUDA, `alloc_retries`
-    (the caching allocator freed its cache and retried a cudaMalloc: a synchronising stall near full memory;
-    summed over ranks, with `alloc_retries_ranks` on several: one rank's stall holds up every collective)."""
+    `data_s` (per step, building the micro-batches), `gc_s` (per step, garbage collection; both the slowest
+    rank's) and, on CUDA, `alloc_retries` (the caching allocator freed its cache and retried a cudaMalloc: a
+    synchronising stall near full memory; summed over ranks, with `alloc_retries_ranks` on several: one rank's
+    stall holds up every collective)."""
 
     def __init__(self, device: torch.device, sampler: SystemSampler | None = None) -> None:
         self.device = device
@@ -826,9 +826,10 @@ class _Interval:
             torch.cuda.synchronize(self.device)
         seconds = max(time.perf_counter() - self.t0 - self.checkpoint_s - self.eval_s - self.trace_s, 1e-9)
         retries = _alloc_retries(self.device)
-        # [allocated, reserved, allocator retries in the interval] per rank, in one collective
-        ranks = all_gather_floats([*_peak_memory_gib(self.device), float(max(retries - self.retries, 0))],
-                                  self.device)
+        gc_s = self.gc.take() if self.gc is not None else 0.0
+        # [allocated, reserved, allocator retries, batch-building s, collection s] per rank, in one collective
+        ranks = all_gather_floats([*_peak_memory_gib(self.device), float(max(retries - self.retries, 0)),
+                                   self.data_s, gc_s], self.device)
         self.retries = retries
         mem = [max(r[0] for r in ranks), max(r[1] for r in ranks)]
         tps = tokens / seconds
@@ -838,7 +839,8 @@ class _Interval:
             "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / ctx.world,
             "mfu": mfu(tps / ctx.world, fpt, peak), "peak_mem_gib": mem[0], "peak_reserved_gib": mem[1],
             "step_time_s": seconds / self.steps, "host_s": max(host, 0.0) / self.steps,
-            "data_s": self.data_s / self.steps, "gc_s": (self.gc.take() if self.gc is not None else 0.0) / self.steps,
+            # the slowest rank's: every rank waits for it at the step's first collective
+            "data_s": max(r[3] for r in ranks) / self.steps, "gc_s": max(r[4] for r in ranks) / self.steps,
             "peak_mem_gib_ranks": [r[0] for r in ranks], "peak_reserved_gib_ranks": [r[1] for r in ranks],
         }
         if self.sampler is not None:
