@@ -166,6 +166,12 @@ class ParallelConfig(_Section):
                           "torch._inductor.config has), e.g. {cpp_wrapper: true}: a C++ wrapper that "
                           "launches the block's kernels with less host time per kernel, compiled once. Not with a "
                           "compile_mode other than default (torch takes one or the other).")
+    checkpoint_in_compile: bool = Field(
+        False, description="With parallel.compile and activation_checkpointing: checkpoint inside each block's "
+                           "compiled code (torchtitan's order: checkpoint, then compile) instead of around it, so "
+                           "the recompute runs inside the compiled backward (no separate recompute of the block "
+                           "from Python). The same losses and gradients on CPU; its speed is not measured yet. "
+                           "Not with activation_offload.")
     activation_offload: bool = Field(
         False, description="Keep what autograd saves in the decoder in host memory (pinned on GPUs), copied out in "
                            "forward and back in backward (as torch.autograd.graph.save_on_cpu, in power-of-two "
@@ -215,6 +221,9 @@ class ParallelConfig(_Section):
                              "one or the other)")
         if self.compile_options:
             _check_inductor_options(self.compile_options)
+        if self.checkpoint_in_compile and not self.compile:
+            raise ValueError("parallel.checkpoint_in_compile needs parallel.compile=true (it checkpoints inside "
+                             "the compiled blocks)")
         return self
 
 

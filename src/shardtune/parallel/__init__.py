@@ -56,6 +56,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     spec.refuse_unsupported(cfg)
     check_strategy(cfg.parallel)
     check_cudagraphs(cfg.parallel)
+    check_checkpoint_in_compile(cfg.parallel)
     spec.check(cfg, None if world is None else world * nnodes, device, candidate=candidate, per_node=world)
 
 
@@ -99,17 +100,26 @@ def uses_cudagraphs(parallel: ParallelConfig) -> bool:
     return parallel.compile_mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
 
 
+def check_checkpoint_in_compile(p: ParallelConfig) -> None:
+    """parallel.checkpoint_in_compile leaves no block input saved outside the compiled code, where
+    activation_offload's hooks take them."""
+    if p.checkpoint_in_compile and p.activation_offload and p.activation_checkpointing != "none":
+        raise ShardtuneError("parallel.checkpoint_in_compile: the block inputs are then saved inside the compiled "
+                             "code, where parallel.activation_offload cannot move them; set one of them to false")
+
+
 def check_cudagraphs(p: ParallelConfig) -> None:
     """CUDA graph trees under activation checkpointing: the recompute in backward keeps a graph's input alive
     that died while it was recorded, and torch stops the run in the first backward ("graph recording observed an
     input tensor deallocate during graph recording that did not occur during replay", pytorch/pytorch#154306;
     8B LoRA with full checkpointing on an H100, bench/RESULTS.md twenty-sixth session). Refused before launch."""
-    if uses_cudagraphs(p) and p.activation_checkpointing != "none":
+    if uses_cudagraphs(p) and p.activation_checkpointing != "none" and not p.checkpoint_in_compile:
         what = (f"parallel.compile_mode={p.compile_mode}" if p.compile_mode != "default"
                 else "parallel.compile_options triton.cudagraphs")
         raise ShardtuneError(f"{what}: CUDA graphs fail in the recompute of activation_checkpointing "
                              f"{p.activation_checkpointing} (pytorch/pytorch#154306); use parallel.compile_mode="
-                             "default or max-autotune-no-cudagraphs, or parallel.activation_checkpointing=none")
+                             "default or max-autotune-no-cudagraphs, parallel.activation_checkpointing=none, or "
+                             "parallel.checkpoint_in_compile=true (the recompute inside the graph; not measured)")
 
 
 def check_strategy(p: ParallelConfig) -> None:

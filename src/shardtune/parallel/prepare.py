@@ -12,6 +12,7 @@ checkpointing, then torch.compile of each decoder block (adapters are already in
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections import defaultdict, deque
 from typing import Any
@@ -223,18 +224,42 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
 
 def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
                            device_type: str = "cpu") -> ActivationOffload | None:
-    """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned)."""
+    """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned).
+    Checkpointing wraps each compiled block (transformers' per-block checkpointing: the recompute runs the
+    compiled forward again from Python), or with parallel.checkpoint_in_compile goes inside it
+    (checkpoint_inside)."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
-    if parallel.activation_checkpointing != "none":
-        kwargs = checkpoint_kwargs(parallel.activation_checkpointing)
+    kwargs = checkpoint_kwargs(parallel.activation_checkpointing)
+    inside = parallel.compile and parallel.checkpoint_in_compile and parallel.activation_checkpointing != "none"
+    if parallel.activation_checkpointing != "none" and not inside:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if parallel.compile:
         for block in blocks:
+            if inside:
+                checkpoint_inside(block, kwargs)
             block.compile(**compile_kwargs(parallel))
     return offload
+
+
+def checkpoint_inside(block: nn.Module, kwargs: dict[str, Any]) -> None:
+    """`block.forward` under torch.utils.checkpoint, for compile to trace: Dynamo turns the checkpoint into a
+    higher-order op and the compiled backward recomputes the block itself, as torchtitan compiles its
+    checkpoint-wrapped blocks. (The block's parameter names stay as they are: no wrapper module.)"""
+    import torch._dynamo
+    from torch.utils.checkpoint import checkpoint
+
+    # transformers' hub-kernel layers set a context variable in forward; Dynamo refuses a side effect inside a
+    # checkpoint unless told that the recompute need not replay it (it changes nothing the recompute reads).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    forward = block.forward
+
+    def checkpointed(self: nn.Module, *args: Any, **kw: Any) -> Any:
+        return checkpoint(forward, *args, **kwargs, **kw)
+
+    block.forward = types.MethodType(checkpointed, block)
 
 
 def compile_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
