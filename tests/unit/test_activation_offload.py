@@ -102,6 +102,20 @@ def test_small_tensors_and_the_default_threshold_stay() -> None:
     assert hooks.moved_bytes == 0
 
 
+def test_copies_back_keep_their_strides() -> None:
+    """A compiled backward checks the layout of every saved tensor (a transposed operand saved as is): the copy
+    back has the original's shape, strides and values, dense or with gaps."""
+    hooks = prepare.ActivationOffload("cpu", min_bytes=0)
+    base = torch.randn(4, 6, 8)
+    for saved in (base, base.transpose(1, 2), base.permute(2, 0, 1), base[:, ::2], base[:, :1], base[1:, 2:],
+                  base[1:].transpose(0, 2)):
+        back = hooks.unpack_hook(hooks.pack_hook(saved))
+        assert back.shape == saved.shape and back.stride() == saved.stride(), (saved.shape, saved.stride())
+        torch.testing.assert_close(back, saved, rtol=0, atol=0)
+    assert hooks.moved_bytes == 4 * (3 * base.numel() + base[:, ::2].numel() + base[:, :1].numel()
+                                     + base[1:, 2:].numel() + base[1:].numel())
+
+
 @pytest.mark.parametrize("count, smallest", [(327680 * 4096, 1 << 19), (3 * (1 << 20) + 5, 1 << 18), (100, 256)])
 def test_host_copies_are_power_of_two_pieces(count: int, smallest: int) -> None:
     """torch's pinned allocator rounds a request up to a power of two: the pieces add up to the tensor and

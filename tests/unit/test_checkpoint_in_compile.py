@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ROOT, offload_test_model
+from torch._dynamo.utils import counters
 
 from shardtune.config import ConfigError, load_config
 from shardtune.errors import ShardtuneError
@@ -35,6 +36,7 @@ def _saved_bytes(model, ids) -> int:
 
 def _run(overrides: list[str], lora: bool):
     torch._dynamo.reset()
+    counters.clear()
     model, _, _ = offload_test_model(["parallel.compile=true", *overrides])
     if lora:
         from shardtune.config import PeftConfig
@@ -50,7 +52,8 @@ def _run(overrides: list[str], lora: bool):
         losses.append(loss.item())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return losses, grads, _saved_bytes(model, ids), model
+    compiled = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    return losses, grads, _saved_bytes(model, ids), model, compiled
 
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
@@ -64,9 +67,13 @@ def test_checkpointing_inside_the_compiled_blocks_keeps_the_losses_gradients_and
         torch.testing.assert_close(grad, outside[1][name], rtol=1e-5, atol=1e-7, msg=name)
     # transformers' own checkpointing is off: the checkpoint is the one inside the compiled code
     assert not inside[3].is_gradient_checkpointing and outside[3].is_gradient_checkpointing
-    # it checkpoints: the blocks save about what checkpointing around them saves (full: the block inputs and a few
-    # small tensors more), far less than without
+    # it checkpoints: the blocks save about what transformers' checkpointing saves (full: the block inputs and a
+    # few small tensors more), far less than without
     assert inside[2] <= 1.1 * outside[2] and inside[2] < 0.5 * plain[2], (inside[2], outside[2], plain[2])
+    # and both are compiled: Dynamo traced the blocks without a graph break (newer transformers checkpoint the
+    # blocks' forward, inside the compiled call: without allow_side_effects_under_checkpoint the blocks ran eager)
+    for run in (outside, inside, plain):
+        assert run[4][0] >= 1 and run[4][1] == 0, run[4]
 
 
 def test_lora_blocks_checkpointed_inside_compile_keep_their_gradients() -> None:

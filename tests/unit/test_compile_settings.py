@@ -95,6 +95,10 @@ def test_the_planner_picks_no_checkpointing_with_cuda_graphs():
     plan = make_plan(cfg, preset_config("llama-3.2-1b"), lookup("h200"), world=1, per_node=1)
     assert plan.pick is not None and plan.pick.setting.activation_checkpointing == "none"
     assert {c.setting.activation_checkpointing for c in plan.result.candidates} == {"none"}
+    # with the checkpoint inside the compiled blocks, CUDA graphs are allowed under checkpointing: priced too
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"checkpoint_in_compile": True})})
+    plan = make_plan(cfg, preset_config("llama-3.2-1b"), lookup("h200"), world=1, per_node=1)
+    assert {"none", "full"} <= {c.setting.activation_checkpointing for c in plan.result.candidates}
 
 
 def test_auto_with_cuda_graphs_and_checkpointing_set_says_why(cli):

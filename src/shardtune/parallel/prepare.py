@@ -130,7 +130,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
                 return True, seen[2]
             self.moved_bytes += size
-            flat = tensor.detach().reshape(-1)
+            flat = memory_order(tensor)
+            dense = flat is not None
+            if flat is None:
+                flat = tensor.detach().reshape(-1)
             if overlap and pin and tensor.is_cuda:
                 side = side_stream(tensor.device)
                 compute = torch.cuda.current_stream(tensor.device)
@@ -142,7 +145,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                     self.settle(1)
             else:
                 pieces = copy_out(flat, non_blocking=False)
-            self.copies[id(tensor)] = (weakref.ref(tensor), tensor._version, (tensor.device, tensor.shape,
+            layout = (tensor.shape, tensor.stride(), dense)
+            self.copies[id(tensor)] = (weakref.ref(tensor), tensor._version, (tensor.device, layout,
                                                                                tensor.dtype, pieces))
             return True, self.copies[id(tensor)][2]
 
@@ -159,17 +163,17 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             moved, value = packed
             if not moved:
                 return value
-            device, shape, dtype, pieces = value
+            device, layout, dtype, pieces = value
             numel = sum(p.numel() for p in pieces)
             if not (overlap and pin and device.type == "cuda"):
-                return copy_in(torch.empty(numel, dtype=dtype, device=device), pieces).view(shape)
+                return with_layout(copy_in(torch.empty(numel, dtype=dtype, device=device), pieces), *layout)
             compute, side = torch.cuda.current_stream(device), side_stream(device)
             with torch.cuda.stream(side):  # after the copy out on the same stream
                 out = copy_in(torch.empty(numel, dtype=dtype, device=device), pieces)
             compute.wait_stream(side)
             out.record_stream(compute)  # made on the side stream, used and freed on the compute stream
             bound_copies_back(compute, out.numel() * out.element_size())
-            return out.view(shape)
+            return with_layout(out, *layout)
 
         def bound_copies_back(compute: Any, size: int) -> None:
             """A copy back's memory comes from the side stream's pool and is reusable only once the GPU has run
@@ -196,6 +200,26 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         for _ in range(len(self.in_flight) if count is None else min(count, len(self.in_flight))):
             _tensor, copied, compute = self.in_flight.popleft()
             compute.wait_event(copied)
+
+
+def memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's elements as a 1-D view in memory order, where they fill their span with no gap (a contiguous
+    tensor or a permutation of one, e.g. a transposed operand a compiled block saves); None otherwise."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tensor.detach().as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+def with_layout(flat: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], dense: bool) -> torch.Tensor:
+    """A copied-back tensor with its original strides: the compiled backward checks each saved tensor's layout
+    (Inductor's assert_size_stride), eager kernels may rely on it. A tensor with gaps was copied in logical
+    order and gets a strided copy."""
+    if dense:
+        return flat.as_strided(shape, stride)
+    return torch.empty_strided(shape, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(shape))
 
 
 def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: str,
@@ -225,12 +249,14 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
 def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
                            device_type: str = "cpu") -> ActivationOffload | None:
     """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned).
-    Checkpointing wraps each compiled block (transformers' per-block checkpointing: the recompute runs the
-    compiled forward again from Python), or with parallel.checkpoint_in_compile goes inside it
-    (checkpoint_inside)."""
+    transformers' per-block checkpointing wraps `__call__` up to 5.18 (around the compiled block: the recompute
+    runs the compiled forward again from Python) and `forward` in newer releases (5.25: inside the compiled
+    block); parallel.checkpoint_in_compile puts it inside on every release (checkpoint_inside)."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
     kwargs = checkpoint_kwargs(parallel.activation_checkpointing)
     inside = parallel.compile and parallel.checkpoint_in_compile and parallel.activation_checkpointing != "none"
+    if parallel.compile and parallel.activation_checkpointing != "none":
+        allow_side_effects_under_checkpoint()
     if parallel.activation_checkpointing != "none" and not inside:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -248,18 +274,25 @@ def checkpoint_inside(block: nn.Module, kwargs: dict[str, Any]) -> None:
     """`block.forward` under torch.utils.checkpoint, for compile to trace: Dynamo turns the checkpoint into a
     higher-order op and the compiled backward recomputes the block itself, as torchtitan compiles its
     checkpoint-wrapped blocks. (The block's parameter names stay as they are: no wrapper module.)"""
-    import torch._dynamo
     from torch.utils.checkpoint import checkpoint
 
-    # transformers' hub-kernel layers set a context variable in forward; Dynamo refuses a side effect inside a
-    # checkpoint unless told that the recompute need not replay it (it changes nothing the recompute reads).
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     forward = block.forward
 
     def checkpointed(self: nn.Module, *args: Any, **kw: Any) -> Any:
         return checkpoint(forward, *args, **kwargs, **kw)
 
     block.forward = types.MethodType(checkpointed, block)
+
+
+def allow_side_effects_under_checkpoint() -> None:
+    """Let Dynamo trace a checkpoint whose forward has a side effect. transformers' output capturing sets a
+    context variable in each block's forward; inside a checkpoint Dynamo refuses that (a graph break that leaves
+    the whole block eager, silently) unless told the recompute need not replay it. Eager's recompute runs after
+    the forward has reset the variable, so replaying it changes nothing either. (A process-wide setting: one
+    training process prepares one model.)"""
+    import torch._dynamo
+
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def compile_kwargs(parallel: ParallelConfig) -> dict[str, Any]:

@@ -369,7 +369,7 @@ def resolve_auto(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_nod
     if plan.auto and plan.pick is None and not force:
         from shardtune.parallel import check_cudagraphs, uses_cudagraphs
 
-        graphs = uses_cudagraphs(cfg.parallel)
+        graphs = uses_cudagraphs(cfg.parallel) and not cfg.parallel.checkpoint_in_compile
         if graphs:
             check_cudagraphs(cfg.parallel)  # checkpointing set with CUDA graphs: that refusal, not "nothing fits"
         raise ShardtuneError(f"{', '.join(plan.auto)}: auto, but no way to run this config fits on {hw.name} "
