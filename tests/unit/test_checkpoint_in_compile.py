@@ -97,3 +97,32 @@ def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
     check_combination(load_config(TINY, ["parallel.compile=true", "parallel.checkpoint_in_compile=true",
                                          "parallel.activation_checkpointing=full",
                                          "parallel.compile_mode=reduce-overhead"]))
+
+
+def test_full_checkpointing_traced_by_compile_recomputes_every_op() -> None:
+    # compile takes a checkpoint's ops as PREFER_RECOMPUTE, which its partitioner may override (8B LoRA float8 on
+    # an H100 kept 11 GiB of matmul outputs): traced full checkpointing says MUST_RECOMPUTE for every op; eager
+    # full checkpointing has no per-op policy (no dispatch mode on every op)
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from shardtune.parallel import prepare
+
+    assert "context_fn" not in prepare.checkpoint_kwargs("full")
+    decisions = []
+    original = prepare.recompute_all_context
+
+    def recording():
+        forward, recompute = original()
+        policy = forward.policy_fn  # the forward's mode asks the policy; the recompute's replays its choices
+        forward.policy_fn = lambda *a, **k: decisions.append(policy(*a, **k)) or decisions[-1]
+        return forward, recompute
+
+    prepare.recompute_all_context = recording
+    try:
+        x = torch.randn(8, 8, requires_grad=True)
+        kwargs = prepare.checkpoint_kwargs("full", traced=True)
+        torch.utils.checkpoint.checkpoint(lambda t: (t @ t).relu().sum(), x, **kwargs).backward()
+    finally:
+        prepare.recompute_all_context = original
+    assert decisions and set(decisions) == {CheckpointPolicy.MUST_RECOMPUTE}
+    torch.testing.assert_close(x.grad, torch.autograd.functional.vjp(lambda t: (t @ t).relu().sum(), x)[1])

@@ -88,7 +88,7 @@ def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
     decisions = _record_decisions(monkeypatch, key)
     _, _, layers = _loss_and_grads("selective")
     # Forward: 7 projections per block, q / v / gate / down saved, k / o / up recomputed; the attention saved.
-    assert decisions == Counter({("mm", "MUST_SAVE"): 4 * layers, ("mm", "PREFER_RECOMPUTE"): 3 * layers,
+    assert decisions == Counter({("mm", "MUST_SAVE"): 4 * layers, ("mm", "MUST_RECOMPUTE"): 3 * layers,
                                  ("attention", "MUST_SAVE"): layers}), decisions
 
 
@@ -107,5 +107,5 @@ def test_selective_saves_every_other_float8_matmul_too(monkeypatch):
     decisions = _record_decisions(monkeypatch, key)
     loss, _, layers = _loss_and_grads("selective", float8=True)
     assert decisions == Counter({("mm.default", True, "MUST_SAVE"): 4 * layers,
-                                 ("mm.default", True, "PREFER_RECOMPUTE"): 3 * layers}), decisions
+                                 ("mm.default", True, "MUST_RECOMPUTE"): 3 * layers}), decisions
     assert loss == _loss_and_grads("none", float8=True)[0]

@@ -32,7 +32,9 @@ SAVED_OPS = {_aten.mm.default, _aten._scaled_dot_product_efficient_attention.def
 
 def selective_policy(counts: dict[str, int]) -> Any:
     """The per-op policy of one checkpointed call: save the attention kernel's output and every other matmul's
-    (the 1st, 3rd, ...: counted separately in forward and in the recompute, so both make the same choices)."""
+    (the 1st, 3rd, ...: counted separately in forward and in the recompute, so both make the same choices), and
+    recompute the rest: MUST_RECOMPUTE, not torchtitan's PREFER_RECOMPUTE, so that compile's partitioner keeps
+    what is priced (recompute_all_context)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -42,7 +44,7 @@ def selective_policy(counts: dict[str, int]) -> Any:
             save = counts[key] % 2 == 1
         else:
             save = func in SAVED_OPS
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
 
     return policy
 
@@ -54,13 +56,34 @@ def selective_context() -> Any:
     return create_selective_checkpoint_contexts(selective_policy(defaultdict(int)))
 
 
-def checkpoint_kwargs(mode: str) -> dict[str, Any]:
+def recompute_all_context() -> Any:
+    """context_fn of full checkpointing traced by compile: every op MUST_RECOMPUTE. Without it compile takes a
+    checkpoint's ops as PREFER_RECOMPUTE, a hint its partitioner may override: 8B LoRA in float8 on one H100 then
+    kept matmul outputs, 22.1 GiB at micro-batch 2 against 10.9 around the compiled blocks (twenty-seventh
+    session, call 78), which is not what `full` promises nor what the planner prices."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(lambda *_args, **_kw: CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def checkpoint_kwargs(mode: str, traced: bool = False) -> dict[str, Any]:
     """Keyword arguments for torch.utils.checkpoint.checkpoint (through transformers' per-block checkpointing).
-    Non-reentrant checkpointing composes with FSDP2, DeepSpeed and compile; it keeps parameter names."""
+    Non-reentrant checkpointing composes with FSDP2, DeepSpeed and compile; it keeps parameter names. `traced`:
+    the checkpoint is inside compiled code (recompute_all_context for full)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = selective_context
+    elif mode == "full" and traced:
+        kwargs["context_fn"] = recompute_all_context
     return kwargs
+
+
+def transformers_checkpoints_forward() -> bool:
+    """Whether transformers' per-block checkpointing wraps the block's `forward` (newer releases; 5.25), which
+    compile then traces, rather than `__call__` around the compiled block (up to 5.18)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" not in vars(GradientCheckpointingLayer)
 
 
 # Saved tensors below this size stay on the device: their copies would cost more in latency than they free.
@@ -253,8 +276,9 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     runs the compiled forward again from Python) and `forward` in newer releases (5.25: inside the compiled
     block); parallel.checkpoint_in_compile puts it inside on every release (checkpoint_inside)."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
-    kwargs = checkpoint_kwargs(parallel.activation_checkpointing)
     inside = parallel.compile and parallel.checkpoint_in_compile and parallel.activation_checkpointing != "none"
+    traced = parallel.compile and (inside or transformers_checkpoints_forward())
+    kwargs = checkpoint_kwargs(parallel.activation_checkpointing, traced)
     if parallel.compile and parallel.activation_checkpointing != "none":
         allow_side_effects_under_checkpoint()
     if parallel.activation_checkpointing != "none" and not inside:
