@@ -20,6 +20,7 @@ class Setting:
     nvme: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
+    checkpoint_in_compile: bool = False  # parallel.checkpoint_in_compile: the recompute inside the compiled backward
     shard_frozen: bool = True  # parallel.shard_frozen, resolved (auto: false on one process)
     one_gpu: str = "fsdp2"  # parallel.one_gpu as configured (one_gpu_direct: whether it applies here)
     compile: bool = False
@@ -129,7 +130,8 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     return Setting(
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
-        activation_offload=p.activation_offload, shard_frozen=not frozen_whole(p, world),
+        activation_offload=p.activation_offload, checkpoint_in_compile=p.compile and p.checkpoint_in_compile,
+        shard_frozen=not frozen_whole(p, world),
         one_gpu=p.one_gpu,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,

@@ -103,13 +103,16 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
 
     6N + 12·L·h·s (PaLM / torchtitan: 2 FLOPs per weight forward, 4 backward; attention scores and values
     12·L·h·s). Frozen weights (LoRA, QLoRA) cost forward + input gradient: 4 per weight; adapters 6.
-    Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s; selective checkpointing
-    only the k, o and up projections: + 2·L·h·(k + h + f)."""
+    Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s; inside the compiled
+    backward (parallel.checkpoint_in_compile) the recompute leaves out what no gradient reads, the down projection
+    (the block's output): - 2·L·h·f; selective checkpointing only the k, o and up projections: + 2·L·h·(k + h + f)."""
     n = m.matmul_params
     attn = 12.0 * m.layers * m.hidden * s.seq_len
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
     if s.activation_checkpointing == "full":
         flops += 2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len
+        if s.checkpoint_in_compile:
+            flops -= 2.0 * m.layers * m.hidden * m.ffn
     elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
         flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
     return flops
