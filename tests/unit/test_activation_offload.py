@@ -102,18 +102,25 @@ def test_small_tensors_and_the_default_threshold_stay() -> None:
     assert hooks.moved_bytes == 0
 
 
-def test_copies_back_keep_their_strides() -> None:
-    """A compiled backward checks the layout of every saved tensor (a transposed operand saved as is): the copy
-    back has the original's shape, strides and values, dense or with gaps."""
+def test_copies_back_keep_their_layout() -> None:
+    """The copy back has the saved tensor's shape and values; a dense one (contiguous or permuted: a transposed
+    operand) its strides too; a broadcast one (stride 0: an attention bias expanded over the heads) is copied
+    once and expanded again; one with gaps comes back contiguous at its own size."""
     hooks = prepare.ActivationOffload("cpu", min_bytes=0)
     base = torch.randn(4, 6, 8)
-    for saved in (base, base.transpose(1, 2), base.permute(2, 0, 1), base[:, ::2], base[:, :1], base[1:, 2:],
-                  base[1:].transpose(0, 2)):
+    dense = (base, base.transpose(1, 2), base.permute(2, 0, 1), base[1:].transpose(0, 2),
+             torch.randn(4, 1, 8).expand(4, 6, 8), torch.randn(1, 8).expand(5, 8).t())
+    gapped = (base[:, ::2], base[:, :1], base[1:, 2:], base[:, :1].expand(4, 6, 8))
+    for saved in dense + gapped:
         back = hooks.unpack_hook(hooks.pack_hook(saved))
-        assert back.shape == saved.shape and back.stride() == saved.stride(), (saved.shape, saved.stride())
+        assert back.shape == saved.shape, (saved.shape, back.shape)
         torch.testing.assert_close(back, saved, rtol=0, atol=0)
-    assert hooks.moved_bytes == 4 * (3 * base.numel() + base[:, ::2].numel() + base[:, :1].numel()
-                                     + base[1:, 2:].numel() + base[1:].numel())
+        if any(saved is d for d in dense):
+            assert back.stride() == saved.stride(), (saved.shape, saved.stride(), back.stride())
+        assert [s == 0 for s in back.stride()] == [s == 0 for s in saved.stride()]
+    # a broadcast tensor moves one copy of what it repeats: 4 x 8, 8 and base[:, :1]'s 4 x 8 elements
+    expected = 4 * (3 * 192 + 3 * 8 * 6 + 4 * 8 + 8 + 4 * 3 * 8 + 4 * 8 + 3 * 4 * 8 + 4 * 8)
+    assert hooks.moved_bytes == expected, (hooks.moved_bytes, expected)
 
 
 @pytest.mark.parametrize("count, smallest", [(327680 * 4096, 1 << 19), (3 * (1 << 20) + 5, 1 << 18), (100, 256)])

@@ -35,6 +35,13 @@ def _saved_bytes(model, ids) -> int:
 
 
 def _run(overrides: list[str], lora: bool):
+    # the setting prepare makes for the checkpoint inside: off at the start of every run, so that a run that
+    # needs it and does not set it shows its graph break whatever ran before
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        return _run_once(overrides, lora)
+
+
+def _run_once(overrides: list[str], lora: bool):
     torch._dynamo.reset()
     counters.clear()
     model, _, _ = offload_test_model(["parallel.compile=true", *overrides])
@@ -65,13 +72,16 @@ def test_checkpointing_inside_the_compiled_blocks_keeps_the_losses_gradients_and
     assert inside[1].keys() == outside[1].keys()
     for name, grad in inside[1].items():
         torch.testing.assert_close(grad, outside[1][name], rtol=1e-5, atol=1e-7, msg=name)
-    # transformers' own checkpointing is off: the checkpoint is the one inside the compiled code
-    assert not inside[3].is_gradient_checkpointing and outside[3].is_gradient_checkpointing
-    # it checkpoints: the blocks save about what transformers' checkpointing saves (full: the block inputs and a
-    # few small tensors more), far less than without
-    assert inside[2] <= 1.1 * outside[2] and inside[2] < 0.5 * plain[2], (inside[2], outside[2], plain[2])
-    # and both are compiled: Dynamo traced the blocks without a graph break (newer transformers checkpoint the
-    # blocks' forward, inside the compiled call: without allow_side_effects_under_checkpoint the blocks ran eager)
+    # transformers' own checkpointing is off under compile (its place depends on its release): shardtune's is on
+    assert not inside[3].is_gradient_checkpointing and not outside[3].is_gradient_checkpointing
+    # it checkpoints: full saves about what the checkpoint around the compiled blocks saves (the block inputs and a
+    # few small tensors more), selective the kept matmul outputs too (around, its cache is outside autograd's
+    # hooks, so not comparable here); both far less than without
+    assert inside[2] < 0.6 * plain[2], (inside[2], outside[2], plain[2])
+    if ac == "full":
+        assert inside[2] <= 1.1 * outside[2], (inside[2], outside[2], plain[2])
+    # and all are compiled: Dynamo traced the blocks without a graph break (the checkpoint inside needs
+    # allow_side_effects_under_checkpoint: transformers' output capturing sets a variable in each block's forward)
     for run in (outside, inside, plain):
         assert run[4][0] >= 1 and run[4][1] == 0, run[4]
 

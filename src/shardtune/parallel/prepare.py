@@ -78,14 +78,6 @@ def checkpoint_kwargs(mode: str, traced: bool = False) -> dict[str, Any]:
     return kwargs
 
 
-def transformers_checkpoints_forward() -> bool:
-    """Whether transformers' per-block checkpointing wraps the block's `forward` (newer releases; 5.25), which
-    compile then traces, rather than `__call__` around the compiled block (up to 5.18)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return "__call__" not in vars(GradientCheckpointingLayer)
-
-
 # Saved tensors below this size stay on the device: their copies would cost more in latency than they free.
 OFFLOAD_MIN_BYTES = 1 << 20
 # Saved tensors whose copies out may still run when the next is saved (ActivationOffload.in_flight). One: under
@@ -152,11 +144,12 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             seen = self.copies.get(id(tensor))
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
                 return True, seen[2]
-            self.moved_bytes += size
-            flat = memory_order(tensor)
+            compact = unbroadcast(tensor)
+            self.moved_bytes += compact.numel() * compact.element_size()
+            flat = memory_order(compact)
             dense = flat is not None
             if flat is None:
-                flat = tensor.detach().reshape(-1)
+                flat = compact.detach().reshape(-1)
             if overlap and pin and tensor.is_cuda:
                 side = side_stream(tensor.device)
                 compute = torch.cuda.current_stream(tensor.device)
@@ -168,7 +161,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                     self.settle(1)
             else:
                 pieces = copy_out(flat, non_blocking=False)
-            layout = (tensor.shape, tensor.stride(), dense)
+            layout = (compact.shape, compact.stride(), dense, tensor.shape)
             self.copies[id(tensor)] = (weakref.ref(tensor), tensor._version, (tensor.device, layout,
                                                                                tensor.dtype, pieces))
             return True, self.copies[id(tensor)][2]
@@ -225,9 +218,18 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             compute.wait_event(copied)
 
 
+def unbroadcast(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor with each broadcast dimension (stride 0, e.g. an attention bias expanded over the heads)
+    narrowed to one element: what is copied, once; the copy back is expanded again."""
+    for dim, (stride, size) in enumerate(zip(tensor.stride(), tensor.shape, strict=True)):
+        if stride == 0 and size > 1:
+            tensor = tensor.narrow(dim, 0, 1)
+    return tensor
+
+
 def memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor's elements as a 1-D view in memory order, where they fill their span with no gap (a contiguous
-    tensor or a permutation of one, e.g. a transposed operand a compiled block saves); None otherwise."""
+    tensor or a permutation of one, e.g. a transposed operand); None otherwise."""
     expected = 1
     for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1):
         if stride != expected:
@@ -236,13 +238,14 @@ def memory_order(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.detach().as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
-def with_layout(flat: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], dense: bool) -> torch.Tensor:
-    """A copied-back tensor with its original strides: the compiled backward checks each saved tensor's layout
-    (Inductor's assert_size_stride), eager kernels may rely on it. A tensor with gaps was copied in logical
-    order and gets a strided copy."""
-    if dense:
-        return flat.as_strided(shape, stride)
-    return torch.empty_strided(shape, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(shape))
+def with_layout(flat: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], dense: bool,
+                full_shape: torch.Size) -> torch.Tensor:
+    """A copied-back tensor as it was saved: a dense one with its strides (a compiled backward checks them,
+    Inductor's assert_size_stride), broadcast dimensions expanded again. One with gaps (a slice of a fused
+    projection) comes back contiguous, at its own size rather than its span's: the saved tensors the hooks see
+    are eager ops' (parallel.check_combination: no offload where compile traces the checkpoint)."""
+    restored = flat.as_strided(shape, stride) if dense else flat.view(shape)
+    return restored.expand(full_shape)
 
 
 def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: str,
@@ -272,40 +275,67 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
 def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
                            device_type: str = "cpu") -> ActivationOffload | None:
     """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned).
-    transformers' per-block checkpointing wraps `__call__` up to 5.18 (around the compiled block: the recompute
-    runs the compiled forward again from Python) and `forward` in newer releases (5.25: inside the compiled
-    block); parallel.checkpoint_in_compile puts it inside on every release (checkpoint_inside)."""
+    Eager blocks take transformers' per-block checkpointing. Compiled blocks are checkpointed here, the same way on
+    every transformers release (transformers wraps `__call__` up to 5.18, around the compiled block, and `forward`
+    in newer ones, 5.25, inside it): around the compiled forward (checkpoint_around: the recompute runs it again
+    from Python), or with parallel.checkpoint_in_compile inside it (checkpoint_inside: the compiled backward
+    recomputes). The block's hooks (FSDP2's) stay outside the checkpoint either way."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
-    inside = parallel.compile and parallel.checkpoint_in_compile and parallel.activation_checkpointing != "none"
-    traced = parallel.compile and (inside or transformers_checkpoints_forward())
-    kwargs = checkpoint_kwargs(parallel.activation_checkpointing, traced)
-    if parallel.compile and parallel.activation_checkpointing != "none":
-        allow_side_effects_under_checkpoint()
-    if parallel.activation_checkpointing != "none" and not inside:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if parallel.compile:
-        for block in blocks:
-            if inside:
-                checkpoint_inside(block, kwargs)
+    mode = parallel.activation_checkpointing
+    if not parallel.compile:
+        if mode != "none":
+            kwargs = checkpoint_kwargs(mode)
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return offload
+    for block in blocks:
+        if mode == "none":
             block.compile(**compile_kwargs(parallel))
+        elif parallel.checkpoint_in_compile:
+            allow_side_effects_under_checkpoint()
+            checkpoint_inside(block, checkpoint_kwargs(mode, traced=True))
+            block.compile(**compile_kwargs(parallel))
+        else:
+            checkpoint_around(block, checkpoint_kwargs(mode), compile_kwargs(parallel))
     return offload
+
+
+# A decoder block's KV-cache arguments across transformers' releases and models.
+CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def _checkpointed(forward: Any, kwargs: dict[str, Any]) -> Any:
+    """A block's forward under torch.utils.checkpoint where a backward will recompute it (training, with
+    gradients: as transformers' per-block checkpointing; evaluation runs it as is)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(self: nn.Module, *args: Any, **kw: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return forward(*args, **kw)
+        # no KV cache under checkpointing (as transformers): the recompute would read the one the forward wrote
+        kw.update({k: None for k in CACHE_KWARGS if kw.get(k) is not None})
+        if kw.get("use_cache"):
+            kw["use_cache"] = False
+        return checkpoint(forward, *args, **kwargs, **kw)
+
+    return checkpointed
+
+
+def checkpoint_around(block: nn.Module, kwargs: dict[str, Any], compile_kw: dict[str, Any]) -> None:
+    """`block.forward` compiled, and checkpointed around the compiled call: the recompute runs the compiled
+    forward again, from Python (what transformers up to 5.18 does with a compiled block; what the GPU numbers
+    before the twenty-seventh session measured)."""
+    compiled = torch.compile(block.forward, **compile_kw)
+    block.forward = types.MethodType(_checkpointed(compiled, kwargs), block)
 
 
 def checkpoint_inside(block: nn.Module, kwargs: dict[str, Any]) -> None:
     """`block.forward` under torch.utils.checkpoint, for compile to trace: Dynamo turns the checkpoint into a
     higher-order op and the compiled backward recomputes the block itself, as torchtitan compiles its
     checkpoint-wrapped blocks. (The block's parameter names stay as they are: no wrapper module.)"""
-    from torch.utils.checkpoint import checkpoint
-
-    forward = block.forward
-
-    def checkpointed(self: nn.Module, *args: Any, **kw: Any) -> Any:
-        return checkpoint(forward, *args, **kwargs, **kw)
-
-    block.forward = types.MethodType(checkpointed, block)
+    block.forward = types.MethodType(_checkpointed(block.forward, kwargs), block)
 
 
 def allow_side_effects_under_checkpoint() -> None:
