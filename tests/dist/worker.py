@@ -48,6 +48,7 @@ BASE = {
 }
 OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
+           "inside": "parallel.checkpoint_in_compile=true",
            "packed": "data.packing=true train.seq_len=64",
            "lora": "peft.method=lora peft.r=8 peft.alpha=16",
            "qlora": "peft.method=qlora peft.r=8 peft.alpha=16",
@@ -333,6 +334,8 @@ def main() -> None:
                         f"log.mlflow={{experiment: shardtune-tests, tracking_uri: 'file://{out / 'mlruns'}'}}"]
                        if variant == "zero3" else []),
                      f"train.output_dir={out / variant.replace(':', '_')}", *extra.split()]
+        if "compile" in opts:
+            torch._dynamo.reset()  # this variant's graphs compiled anew, not served from an earlier variant's
         probe, graphs = Probe(), compiled_graphs()
         PROBES.clear()
         try:
