@@ -33,8 +33,9 @@ from shardtune.plan.hardware import lookup
 # 3.6 x p x f per token (memory.COMPILED_RECOMPUTE); with it every compiled row under checkpointing is within 5%
 # (LoRA +0.0%, QLoRA -3.5% to -4.1%: its NF4 weights' bf16 copies, ~0.3 GiB).
 # The checkpoint inside the compiled blocks (parallel.checkpoint_in_compile, twenty-seventh session, calls 79-80) holds
-# 0.36-0.57 GiB more than around them (8B LoRA float8 at micro-batch 2 / 4), which the planner prices alike: -3.0% and
-# -4.6%; its speed is priced without the down projection's recompute (it was 10-13% over the prediction).
+# 0.36-0.57 GiB more than around them (8B LoRA float8 at micro-batch 2 / 4): -3.0% and -4.6% priced alike, -1.1% and
+# -1.4% with memory.INSIDE_RECOMPUTE; its speed is priced without the down projection's recompute (it was 10-13% over
+# the prediction).
 KNOWN_MISSES = {"1b-ddp-mb4-compile-ligerloss": 0.09, "8b-lora-alt-deepspeed-ddp-none-none-mb4": 0.06}
 # tokens/s: within 15% but the two noisiest rows on record (call 16: min-max 28,780-35,751 and 23,313-30,982;
 # an earlier session measured the second at 30,358, 4% from the prediction; 30.0% -> 30.03% with the 2026-12-04
