@@ -103,6 +103,13 @@ def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
     with pytest.raises(ShardtuneError, match="activation_offload cannot move them") as err:
         check_combination(cfg)
     assert "\n" not in str(err.value)
+    # selective under compile is always traced (its policy sees the ops only then): the same refusal, named
+    cfg = load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=selective",
+                             "parallel.activation_offload=true"])
+    with pytest.raises(ShardtuneError, match=r"selective with parallel\.compile: the block inputs"):
+        check_combination(cfg)
+    check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
+                                         "parallel.activation_offload=true"]))
     # CUDA graphs: the recompute in Python that breaks them (pytorch/pytorch#154306) is gone, so not refused
     check_combination(load_config(TINY, ["parallel.compile=true", "parallel.checkpoint_in_compile=true",
                                          "parallel.activation_checkpointing=full",

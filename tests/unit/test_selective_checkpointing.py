@@ -17,8 +17,8 @@ from shardtune.parallel import prepare
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
 
-def _model(mode: str, float8: bool = False):
-    cfg = load_config(TINY, [f"parallel.activation_checkpointing={mode}"])
+def _model(mode: str, float8: bool = False, compile: bool = False):
+    cfg = load_config(TINY, [f"parallel.activation_checkpointing={mode}", f"parallel.compile={str(compile).lower()}"])
     hf_config = load_hf_config(cfg.model)
     model = build_on_meta(hf_config, "sdpa").to_empty(device="cpu")
     torch.manual_seed(0)
@@ -35,8 +35,8 @@ def _model(mode: str, float8: bool = False):
     return model, hf_config.num_hidden_layers
 
 
-def _loss_and_grads(mode: str, float8: bool = False):
-    model, layers = _model(mode, float8)
+def _loss_and_grads(mode: str, float8: bool = False, compile: bool = False):
+    model, layers = _model(mode, float8, compile)
     ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -90,6 +90,30 @@ def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
     # Forward: 7 projections per block, q / v / gate / down saved, k / o / up recomputed; the attention saved.
     assert decisions == Counter({("mm", "MUST_SAVE"): 4 * layers, ("mm", "MUST_RECOMPUTE"): 3 * layers,
                                  ("attention", "MUST_SAVE"): layers}), decisions
+
+
+def test_selective_under_compile_saves_the_same_matmuls(monkeypatch):
+    # The policy sees the ops only while Dynamo traces the block: around a compiled block it would see Inductor's
+    # kernels (mm.out), match no matmul and recompute everything. So compile traces selective's checkpoint.
+    torch._dynamo.reset()
+
+    def key(ctx, func, args, choice):
+        if ctx.is_recompute:
+            return None
+        if func == torch.ops.aten.mm.default or "scaled_dot_product" in str(func):
+            return ("mm" if func == torch.ops.aten.mm.default else "attention", choice.name)
+        return None
+
+    decisions = _record_decisions(monkeypatch, key)
+    loss, grads, layers = _loss_and_grads("selective", compile=True)
+    traced = decisions[("attention", "MUST_SAVE")]  # blocks Dynamo traced (a graph serves the blocks alike)
+    assert 1 <= traced <= layers, decisions
+    assert decisions == Counter({("mm", "MUST_SAVE"): 4 * traced, ("mm", "MUST_RECOMPUTE"): 3 * traced,
+                                 ("attention", "MUST_SAVE"): traced}), decisions
+    eager_loss, eager_grads, _ = _loss_and_grads("none")
+    assert loss == pytest.approx(eager_loss, rel=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_selective_saves_every_other_float8_matmul_too(monkeypatch):

@@ -100,12 +100,24 @@ def uses_cudagraphs(parallel: ParallelConfig) -> bool:
     return parallel.compile_mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
 
 
+def checkpoint_traced(p: ParallelConfig) -> bool:
+    """Whether compile traces each block's checkpoint (parallel/prepare.checkpoint_inside): with
+    parallel.checkpoint_in_compile, and always for selective checkpointing, whose per-op policy sees the ops only
+    while Dynamo traces them (around a compiled block it would see Inductor's kernels, match no matmul, and
+    recompute everything, as full does)."""
+    return p.compile and (p.activation_checkpointing == "selective"
+                          or (p.checkpoint_in_compile and p.activation_checkpointing == "full"))
+
+
 def check_checkpoint_in_compile(p: ParallelConfig) -> None:
-    """parallel.checkpoint_in_compile leaves no block input saved outside the compiled code, where
+    """A checkpoint traced by compile leaves no block input saved outside the compiled code, where
     activation_offload's hooks take them."""
-    if p.checkpoint_in_compile and p.activation_offload and p.activation_checkpointing != "none":
-        raise ShardtuneError("parallel.checkpoint_in_compile: the block inputs are then saved inside the compiled "
-                             "code, where parallel.activation_offload cannot move them; set one of them to false")
+    if checkpoint_traced(p) and p.activation_offload:
+        what = ("parallel.checkpoint_in_compile" if p.checkpoint_in_compile
+                else "parallel.activation_checkpointing=selective with parallel.compile")
+        raise ShardtuneError(f"{what}: the block inputs are then saved inside the compiled code, where "
+                             "parallel.activation_offload cannot move them; use activation_checkpointing=full "
+                             "(and checkpoint_in_compile=false) with the offload, or activation_offload=false")
 
 
 def check_cudagraphs(p: ParallelConfig) -> None:

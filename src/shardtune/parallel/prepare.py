@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ParallelConfig
+from shardtune.parallel import checkpoint_traced
 
 # Ops whose outputs selective checkpointing saves (torchtitan's _save_list for one device: matmuls, the attention
 # kernels). Every other matmul is recomputed, which halves what the matmul outputs cost in memory.
@@ -138,14 +139,14 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return self.streams[device]
 
         def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
-            size = tensor.numel() * tensor.element_size()
+            compact = unbroadcast(tensor)
+            size = compact.numel() * compact.element_size()
             if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or size < min_bytes:
                 return False, tensor
             seen = self.copies.get(id(tensor))
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
                 return True, seen[2]
-            compact = unbroadcast(tensor)
-            self.moved_bytes += compact.numel() * compact.element_size()
+            self.moved_bytes += size
             flat = memory_order(compact)
             dense = flat is not None
             if flat is None:
@@ -279,7 +280,8 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     every transformers release (transformers wraps `__call__` up to 5.18, around the compiled block, and `forward`
     in newer ones, 5.25, inside it): around the compiled forward (checkpoint_around: the recompute runs it again
     from Python), or with parallel.checkpoint_in_compile inside it (checkpoint_inside: the compiled backward
-    recomputes). The block's hooks (FSDP2's) stay outside the checkpoint either way."""
+    recomputes; always for selective: parallel.checkpoint_traced). The block's hooks (FSDP2's) stay outside the
+    checkpoint either way."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
     mode = parallel.activation_checkpointing
     if not parallel.compile:
@@ -293,7 +295,7 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     for block in blocks:
         if mode == "none":
             block.compile(**compile_kwargs(parallel))
-        elif parallel.checkpoint_in_compile:
+        elif checkpoint_traced(parallel):
             allow_side_effects_under_checkpoint()
             checkpoint_inside(block, checkpoint_kwargs(mode, traced=True))
             block.compile(**compile_kwargs(parallel))
