@@ -120,12 +120,17 @@ def check_checkpoint_in_compile(p: ParallelConfig) -> None:
                              "(and checkpoint_in_compile=false) with the offload, or activation_offload=false")
 
 
+def cudagraphs_rule_out_checkpointing(p: ParallelConfig) -> bool:
+    """CUDA graph trees fail in a recompute run from Python (check_cudagraphs): whether these settings have one."""
+    return uses_cudagraphs(p) and not p.checkpoint_in_compile
+
+
 def check_cudagraphs(p: ParallelConfig) -> None:
     """CUDA graph trees under activation checkpointing: the recompute in backward keeps a graph's input alive
     that died while it was recorded, and torch stops the run in the first backward ("graph recording observed an
     input tensor deallocate during graph recording that did not occur during replay", pytorch/pytorch#154306;
     8B LoRA with full checkpointing on an H100, bench/RESULTS.md twenty-sixth session). Refused before launch."""
-    if uses_cudagraphs(p) and p.activation_checkpointing != "none" and not p.checkpoint_in_compile:
+    if cudagraphs_rule_out_checkpointing(p) and p.activation_checkpointing != "none":
         what = (f"parallel.compile_mode={p.compile_mode}" if p.compile_mode != "default"
                 else "parallel.compile_options triton.cudagraphs")
         raise ShardtuneError(f"{what}: CUDA graphs fail in the recompute of activation_checkpointing "

@@ -139,9 +139,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return self.streams[device]
 
         def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
+            if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+                return False, tensor
             compact = unbroadcast(tensor)
             size = compact.numel() * compact.element_size()
-            if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or size < min_bytes:
+            if size < min_bytes:
                 return False, tensor
             seen = self.copies.get(id(tensor))
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
@@ -292,15 +294,18 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return offload
+    traced = mode != "none" and checkpoint_traced(parallel)
+    if traced:
+        allow_side_effects_under_checkpoint()
+    kwargs, compile_kw = checkpoint_kwargs(mode, traced), compile_kwargs(parallel)
     for block in blocks:
         if mode == "none":
-            block.compile(**compile_kwargs(parallel))
-        elif checkpoint_traced(parallel):
-            allow_side_effects_under_checkpoint()
-            checkpoint_inside(block, checkpoint_kwargs(mode, traced=True))
-            block.compile(**compile_kwargs(parallel))
+            block.compile(**compile_kw)
+        elif traced:
+            checkpoint_inside(block, kwargs)
+            block.compile(**compile_kw)
         else:
-            checkpoint_around(block, checkpoint_kwargs(mode), compile_kwargs(parallel))
+            checkpoint_around(block, kwargs, compile_kw)
     return offload
 
 

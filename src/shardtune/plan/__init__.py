@@ -367,11 +367,10 @@ def resolve_auto(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_nod
     hw = hardware or cpu_hardware(per_node)
     plan = make_plan(cfg, hf_config, hw, world=world, per_node=per_node)
     if plan.auto and plan.pick is None and not force:
-        from shardtune.parallel import check_cudagraphs, uses_cudagraphs
+        from shardtune.parallel import check_cudagraphs, cudagraphs_rule_out_checkpointing
 
-        graphs = uses_cudagraphs(cfg.parallel) and not cfg.parallel.checkpoint_in_compile
-        if graphs:
-            check_cudagraphs(cfg.parallel)  # checkpointing set with CUDA graphs: that refusal, not "nothing fits"
+        check_cudagraphs(cfg.parallel)  # checkpointing set with CUDA graphs: that refusal, not "nothing fits"
+        graphs = cudagraphs_rule_out_checkpointing(cfg.parallel)
         raise ShardtuneError(f"{', '.join(plan.auto)}: auto, but no way to run this config fits on {hw.name} "
                              f"({hw.memory_bytes / GIB:.0f} GiB per GPU)"
                              + (" without activation checkpointing, which CUDA graphs rule out (pytorch/pytorch"
