@@ -443,7 +443,7 @@ def _concrete(cfg: Any, plan: Any = None) -> Any:
 def plan_summary(cfg: Any, hf_config: Any, world: int, nnodes: int = 1) -> list[tuple[str, str]]:
     """What a run of this config does on `world` processes per node of `nnodes` nodes, as (item, description)
     rows; the backend describes its engine. (The planner with memory estimates grows here.)"""
-    from shardtune.parallel import describe
+    from shardtune.parallel import checkpoint_traced, describe
 
     p, t = cfg.parallel, cfg.train
     offload = {"none": "none", "optimizer": "optimizer states", "params": "parameters and optimizer states"}[p.offload]
@@ -463,8 +463,7 @@ def plan_summary(cfg: Any, hf_config: Any, world: int, nnodes: int = 1) -> list[
                       + (", compile" if p.compile else "")
                       + (f" ({p.compile_mode})" if p.compile and p.compile_mode != "default" else "")
                       + (f" (Inductor options {p.compile_options})" if p.compile and p.compile_options else "")
-                      + (", the checkpoint inside the compiled blocks" if p.compile and p.checkpoint_in_compile
-                         and p.activation_checkpointing != "none" else "")),
+                      + (", the checkpoint inside the compiled blocks" if checkpoint_traced(p) else "")),
         ("processes", f"{world} per node" + (f" x {nnodes} nodes" if nnodes > 1 else "")),
         ("batch", f"{global_batch} sequences x {t.seq_len} tokens per step ({t.micro_batch_size} per process x "
                   f"{t.grad_accum} accumulation x {processes} processes)"),

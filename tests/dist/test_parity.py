@@ -13,8 +13,9 @@ from conftest import LAYERS, PROJECTIONS, assert_same_gradients, max_diff, worke
 
 pytestmark = pytest.mark.dist
 
-# zero3:ac:compile: FSDP2's hooks outside the checkpoint around each compiled block; :inside the checkpoint inside
-FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile", "zero3:ac:compile:inside",
+# zero3:ac:compile: the checkpoint inside each compiled block (checkpoint_in_compile: auto); :around, FSDP2's
+# hooks outside the checkpoint around each compiled block
+FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile", "zero3:ac:compile:around",
         "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
@@ -243,7 +244,7 @@ def test_compile_produces_compiled_graphs(results):
     ref, two = results
     assert two["zero3:compile"]["compiled_graphs"] > 0 and two["_one_compile"]["compiled_graphs"] > 0
     # under checkpointing too, around and inside (transformers 5.25's own checkpoint had left every block eager)
-    assert two["zero3:ac:compile"]["compiled_graphs"] > 0 and two["zero3:ac:compile:inside"]["compiled_graphs"] > 0
+    assert two["zero3:ac:compile"]["compiled_graphs"] > 0 and two["zero3:ac:compile:around"]["compiled_graphs"] > 0
     assert two["zero3"]["compiled_graphs"] == 0
     assert_same_gradients(ref, two["_one_compile"])  # compiled on one process too (whose graphs the two ranks reuse)
 

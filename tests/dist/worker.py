@@ -48,7 +48,7 @@ BASE = {
 }
 OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
-           "inside": "parallel.checkpoint_in_compile=true",
+           "around": "parallel.checkpoint_in_compile=false",
            "packed": "data.packing=true train.seq_len=64",
            "lora": "peft.method=lora peft.r=8 peft.alpha=16",
            "qlora": "peft.method=qlora peft.r=8 peft.alpha=16",

@@ -1,6 +1,7 @@
-"""parallel.checkpoint_in_compile: each block checkpointed inside its compiled code (torchtitan's order), so the
-compiled backward recomputes the block. The same losses and gradients as checkpointing around the compiled
-blocks, the same few bytes saved per block, and the settings it cannot run with refused in one line."""
+"""parallel.checkpoint_in_compile (auto, the default: inside): each block checkpointed inside its compiled code
+(torchtitan's order), so the compiled backward recomputes the block. The same losses and gradients as checkpointing
+around the compiled blocks (false), the same few bytes saved per block, and the settings it cannot run with refused
+in one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from shardtune.config import ConfigError, load_config
 from shardtune.errors import ShardtuneError
-from shardtune.parallel import check_combination
+from shardtune.parallel import check_combination, checkpoint_traced
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -65,8 +66,8 @@ def _run_once(overrides: list[str], lora: bool):
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_checkpointing_inside_the_compiled_blocks_keeps_the_losses_gradients_and_memory(ac: str) -> None:
-    outside = _run([f"parallel.activation_checkpointing={ac}"], lora=False)
-    inside = _run([f"parallel.activation_checkpointing={ac}", "parallel.checkpoint_in_compile=true"], lora=False)
+    outside = _run([f"parallel.activation_checkpointing={ac}", "parallel.checkpoint_in_compile=false"], lora=False)
+    inside = _run([f"parallel.activation_checkpointing={ac}"], lora=False)  # auto: inside
     plain = _run(["parallel.activation_checkpointing=none"], lora=False)
     assert inside[0] == pytest.approx(outside[0], rel=1e-6)
     assert inside[1].keys() == outside[1].keys()
@@ -87,7 +88,7 @@ def test_checkpointing_inside_the_compiled_blocks_keeps_the_losses_gradients_and
 
 
 def test_lora_blocks_checkpointed_inside_compile_keep_their_gradients() -> None:
-    outside = _run(["parallel.activation_checkpointing=full"], lora=True)
+    outside = _run(["parallel.activation_checkpointing=full", "parallel.checkpoint_in_compile=false"], lora=True)
     inside = _run(["parallel.activation_checkpointing=full", "parallel.checkpoint_in_compile=true"], lora=True)
     assert inside[0] == pytest.approx(outside[0], rel=1e-6)
     assert any("lora_" in n for n in inside[1])
@@ -108,12 +109,20 @@ def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
                              "parallel.activation_offload=true"])
     with pytest.raises(ShardtuneError, match=r"selective with parallel\.compile: the block inputs"):
         check_combination(cfg)
-    check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
-                                         "parallel.activation_offload=true"]))
-    # CUDA graphs: the recompute in Python that breaks them (pytorch/pytorch#154306) is gone, so not refused
-    check_combination(load_config(TINY, ["parallel.compile=true", "parallel.checkpoint_in_compile=true",
-                                         "parallel.activation_checkpointing=full",
-                                         "parallel.compile_mode=reduce-overhead"]))
+    # auto: around the compiled blocks with the offload, so the two run together
+    auto_offload = load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
+                                      "parallel.activation_offload=true"])
+    check_combination(auto_offload)
+    assert not checkpoint_traced(auto_offload.parallel)
+    # CUDA graphs: the recompute in Python that breaks them (pytorch/pytorch#154306) is gone inside, so not refused
+    # there (auto or true); around (false, or auto with the offload) they are
+    for inside in ([], ["parallel.checkpoint_in_compile=true"]):
+        check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
+                                             "parallel.compile_mode=reduce-overhead", *inside]))
+    for around in (["parallel.checkpoint_in_compile=false"], ["parallel.activation_offload=true"]):
+        with pytest.raises(ShardtuneError, match=r"pytorch/pytorch#154306"):
+            check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
+                                                 "parallel.compile_mode=reduce-overhead", *around]))
 
 
 def test_full_checkpointing_traced_by_compile_recomputes_every_op() -> None:

@@ -101,28 +101,39 @@ def uses_cudagraphs(parallel: ParallelConfig) -> bool:
 
 
 def checkpoint_traced(p: ParallelConfig) -> bool:
-    """Whether compile traces each block's checkpoint (parallel/prepare.checkpoint_inside): with
-    parallel.checkpoint_in_compile, and always for selective checkpointing, whose per-op policy sees the ops only
-    while Dynamo traces them (around a compiled block it would see Inductor's kernels, match no matmul, and
-    recompute everything, as full does)."""
-    return p.compile and (p.activation_checkpointing == "selective"
-                          or (p.checkpoint_in_compile and p.activation_checkpointing == "full"))
+    """Whether compile traces each block's checkpoint (parallel/prepare.checkpoint_inside): see traces_checkpoint."""
+    return traces_checkpoint(p.compile, p.activation_checkpointing, p.checkpoint_in_compile, p.activation_offload)
+
+
+def traces_checkpoint(compiled: bool, checkpointing: str, in_compile: bool | str, activation_offload: bool) -> bool:
+    """Whether compile traces each block's checkpoint: always for selective checkpointing, whose per-op policy sees
+    the ops only while Dynamo traces them (around a compiled block it would see Inductor's kernels, match no matmul,
+    and recompute everything, as full does); for full with parallel.checkpoint_in_compile true, or auto without
+    activation_offload (whose hooks take the block inputs saved outside the compiled code). Shared with the
+    planner's Setting, whose search varies the checkpointing and the offload."""
+    if not compiled or checkpointing == "none":
+        return False
+    if checkpointing == "selective":
+        return True
+    return in_compile is True or (in_compile == "auto" and not activation_offload)
 
 
 def check_checkpoint_in_compile(p: ParallelConfig) -> None:
     """A checkpoint traced by compile leaves no block input saved outside the compiled code, where
     activation_offload's hooks take them."""
     if checkpoint_traced(p) and p.activation_offload:
-        what = ("parallel.checkpoint_in_compile" if p.checkpoint_in_compile
+        what = ("parallel.checkpoint_in_compile=true" if p.activation_checkpointing == "full"
                 else "parallel.activation_checkpointing=selective with parallel.compile")
         raise ShardtuneError(f"{what}: the block inputs are then saved inside the compiled code, where "
                              "parallel.activation_offload cannot move them; use activation_checkpointing=full "
-                             "(and checkpoint_in_compile=false) with the offload, or activation_offload=false")
+                             "(and checkpoint_in_compile auto or false) with the offload, or activation_offload=false")
 
 
 def cudagraphs_rule_out_checkpointing(p: ParallelConfig) -> bool:
-    """CUDA graph trees fail in a recompute run from Python (check_cudagraphs): whether these settings have one."""
-    return uses_cudagraphs(p) and not p.checkpoint_in_compile
+    """CUDA graph trees fail in a recompute run from Python (check_cudagraphs): whether full checkpointing would
+    run one with these settings (the checkpoint around the compiled blocks)."""
+    return uses_cudagraphs(p) and not traces_checkpoint(p.compile, "full", p.checkpoint_in_compile,
+                                                        p.activation_offload)
 
 
 def check_cudagraphs(p: ParallelConfig) -> None:
@@ -130,13 +141,14 @@ def check_cudagraphs(p: ParallelConfig) -> None:
     that died while it was recorded, and torch stops the run in the first backward ("graph recording observed an
     input tensor deallocate during graph recording that did not occur during replay", pytorch/pytorch#154306;
     8B LoRA with full checkpointing on an H100, bench/RESULTS.md twenty-sixth session). Refused before launch."""
-    if cudagraphs_rule_out_checkpointing(p) and p.activation_checkpointing != "none":
+    if uses_cudagraphs(p) and p.activation_checkpointing != "none" and not checkpoint_traced(p):
         what = (f"parallel.compile_mode={p.compile_mode}" if p.compile_mode != "default"
                 else "parallel.compile_options triton.cudagraphs")
         raise ShardtuneError(f"{what}: CUDA graphs fail in the recompute of activation_checkpointing "
                              f"{p.activation_checkpointing} (pytorch/pytorch#154306); use parallel.compile_mode="
                              "default or max-autotune-no-cudagraphs, parallel.activation_checkpointing=none, or "
-                             "parallel.checkpoint_in_compile=true (the recompute inside the graph: it ran on an H100)")
+                             "parallel.checkpoint_in_compile auto or true without activation_offload (the recompute "
+                             "inside the graph: it ran on an H100)")
 
 
 def check_strategy(p: ParallelConfig) -> None:

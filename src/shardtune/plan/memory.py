@@ -61,10 +61,13 @@ FLOAT8_ACTIVATIONS = 0.676
 # counted). What the graph keeps is not known: a memory snapshot cannot record these runs (pytorch/pytorch#179536).
 # Counted under selective checkpointing too (not measured there: the larger guess, so a plan errs toward not fitting).
 COMPILED_RECOMPUTE = 3.6
-# With the checkpoint inside the compiled blocks (parallel.checkpoint_in_compile) the backward holds 2 x p x f per
+# With the checkpoint inside the compiled blocks (Setting.checkpoint_traced) the backward holds 2 x p x f per
 # token more again: 8B LoRA float8 on one H100 (calls 79-80) peaked 0.36 / 0.57 GiB above the checkpoint around at
-# 4,096 / 8,192 tokens: 2pf per token and ~0.14 GiB not explained.
+# 4,096 / 8,192 tokens; bf16 LoRA and QLoRA 0.39 GiB at 4,096 (calls 82-84): 2pf per token and 0.13-0.17 GiB
+# whatever the tokens (INSIDE_FIXED). Counted for selective under compile too (traced there; not measured: the
+# larger guess).
 INSIDE_RECOMPUTE = 2.0
+INSIDE_FIXED = 0.15 * GIB
 # peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer),
 # loaded one layer at a time (assemble.load_kept), so the bf16 base is never whole on the GPU.
 FLOAT8_BYTES = 1.0
@@ -150,11 +153,12 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     activations less pf plus 3pf, so 2pf per token over the saved ones. Measured (bench/RESULTS.md 2026-12-04):
     8B QLoRA at 327,680 tokens with full checkpointing peaked 17.5 GiB above the recomputed block's saved
     activations; 2pf x 327,680 tokens is 17.5 GiB. A compiled block's backward under checkpointing holds
-    COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf more with the checkpoint inside it."""
+    COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf and INSIDE_FIXED more with the checkpoint inside
+    it."""
     extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
-    if s.checkpoint_in_compile and s.activation_checkpointing != "none":
+    if s.checkpoint_traced:
         extra += INSIDE_RECOMPUTE
-    return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens
+    return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens + (INSIDE_FIXED if s.checkpoint_traced else 0.0)
 
 
 def offloaded_activations(m: ModelShape, s: Setting) -> float:

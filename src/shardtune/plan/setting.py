@@ -20,7 +20,7 @@ class Setting:
     nvme: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
-    checkpoint_in_compile: bool = False  # parallel.checkpoint_in_compile: the recompute inside the compiled backward
+    checkpoint_in_compile: bool | str = "auto"  # parallel.checkpoint_in_compile as configured (checkpoint_traced)
     shard_frozen: bool = True  # parallel.shard_frozen, resolved (auto: false on one process)
     one_gpu: str = "fsdp2"  # parallel.one_gpu as configured (one_gpu_direct: whether it applies here)
     compile: bool = False
@@ -66,6 +66,15 @@ class Setting:
             return True
         return (self.base_dtype == "auto" and self.peft == "lora" and not self.dora and self.float8 == "tensorwise"
                 and self.frozen_local)
+
+    @property
+    def checkpoint_traced(self) -> bool:
+        """Compile traces each block's checkpoint: the recompute inside the compiled backward
+        (parallel.traces_checkpoint, the rule the run follows)."""
+        from shardtune.parallel import traces_checkpoint
+
+        return traces_checkpoint(self.compile, self.activation_checkpointing, self.checkpoint_in_compile,
+                                 self.activation_offload)
 
     @property
     def rules(self) -> Any:
@@ -130,7 +139,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     return Setting(
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
-        activation_offload=p.activation_offload, checkpoint_in_compile=p.compile and p.checkpoint_in_compile,
+        activation_offload=p.activation_offload, checkpoint_in_compile=p.checkpoint_in_compile,
         shard_frozen=not frozen_whole(p, world),
         one_gpu=p.one_gpu,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,

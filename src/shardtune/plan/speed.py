@@ -68,9 +68,11 @@ LORA_OVERHEAD = 0.1
 # p, m, v (28 bytes); torchao's 8-bit AdamW (dequantise, update, requantise in eager blocks) costs as much as
 # moving ~125 bytes (measured: 0.93x of AdamW on the 1B shape).
 OPTIM_BYTES = {"adamw": 28.0, "adamw8bit": 125.0}
-# The fused NF4 dequantisation kernel reaches about a third of the HBM bandwidth (bench/nf4_linear.py:
-# 1,722 GB/s on an H200).
-DEQUANT_EFFICIENCY = 0.35
+# The fused NF4 dequantisation kernel moved 1,722 GB/s on an H200 (bench/nf4_linear.py; 0.35 of its HBM fitted to
+# the QLoRA steps, 1.5 TB/s), and about as fast on an H100, the same chip with 30% less bandwidth: priced from the
+# H100's HBM, 8B QLoRA ran 10-11% faster than predicted (calls 83-84, bench/RESULTS.md twenty-eighth session). So the
+# kernel is bound by the SMs: its rate follows the compute peak (bytes per peak FLOP), capped by the HBM.
+DEQUANT_BYTES_PER_FLOP = 0.35 * 4.3e12 / 989e12
 # fp32 compute runs on TF32 tensor cores at half the bf16 rate at best.
 FP32_RATE = 0.5
 # Share of collective time hidden behind compute (FSDP2 prefetches the next all-gather and overlaps the
@@ -104,14 +106,14 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
     6N + 12·L·h·s (PaLM / torchtitan: 2 FLOPs per weight forward, 4 backward; attention scores and values
     12·L·h·s). Frozen weights (LoRA, QLoRA) cost forward + input gradient: 4 per weight; adapters 6.
     Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s; inside the compiled
-    backward (parallel.checkpoint_in_compile) the recompute leaves out what no gradient reads, the down projection
+    backward (Setting.checkpoint_traced) the recompute leaves out what no gradient reads, the down projection
     (the block's output): - 2·L·h·f; selective checkpointing only the k, o and up projections: + 2·L·h·(k + h + f)."""
     n = m.matmul_params
     attn = 12.0 * m.layers * m.hidden * s.seq_len
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
     if s.activation_checkpointing == "full":
         flops += 2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len
-        if s.checkpoint_in_compile:
+        if s.checkpoint_traced:
             flops -= 2.0 * m.layers * m.hidden * m.ffn
     elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
         flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
@@ -277,8 +279,8 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
         # Each NF4 weight is dequantised in forward, in the recompute and in backward of every micro-batch:
         # reads 4 bits and writes the compute dtype.
         passes = 2 if s.activation_checkpointing == "none" else 3
-        compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / (
-            hw.hbm_bytes_per_s * DEQUANT_EFFICIENCY)
+        compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / min(
+            hw.bf16_flops * DEQUANT_BYTES_PER_FLOP, hw.hbm_bytes_per_s)
     trainable = m.params if s.peft == "none" else m.lora_params
     optim = trainable / s.optim_shards() * OPTIM_BYTES[s.optim] / hw.hbm_bytes_per_s if s.offload == "none" else 0.0
     comm = comm_seconds(m, s, hw)
