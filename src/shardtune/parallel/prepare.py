@@ -281,9 +281,9 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     Eager blocks take transformers' per-block checkpointing. Compiled blocks are checkpointed here, the same way on
     every transformers release (transformers wraps `__call__` up to 5.18, around the compiled block, and `forward`
     in newer ones, 5.25, inside it): around the compiled forward (checkpoint_around: the recompute runs it again
-    from Python), or with parallel.checkpoint_in_compile inside it (checkpoint_inside: the compiled backward
-    recomputes; always for selective: parallel.checkpoint_traced). The block's hooks (FSDP2's) stay outside the
-    checkpoint either way."""
+    from Python: parallel.checkpoint_in_compile false, or auto with activation offload), or inside it
+    (checkpoint_inside: the compiled backward recomputes; the default, and always for selective:
+    parallel.checkpoint_traced). The block's hooks (FSDP2's) stay outside the checkpoint either way."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
     mode = parallel.activation_checkpointing
     if not parallel.compile:
