@@ -4,7 +4,8 @@
 # (bench/profile_2026-12-04_call57/) had the GPU idle 11% of it, mostly in launch gaps inside the compiled blocks.
 # Runs HF + PEFT + Liger once, then shardtune with each setting in VARIANTS (NAME=OVERRIDES, ';'-separated list;
 # default: the defaults (bf16), float8 (its base kept as float8 casts), float8 at micro-batch 4: the rows README quotes;
-# CUDA graphs are refused under table 2's checkpointing, pytorch/pytorch#154306, and cpp_wrapper fails on torch 2.11).
+# CUDA graphs ran with the checkpoint inside the compiled blocks, the default, +0.3% on QLoRA in call 83; cpp_wrapper
+# fails on torch 2.11).
 #
 #   run tool: kind nvidia-h200, carry [".whl", ".anchors"], timeout_s 600, command: bash bench/lora_compile.sh
 #

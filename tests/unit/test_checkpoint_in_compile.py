@@ -152,3 +152,17 @@ def test_full_checkpointing_traced_by_compile_recomputes_every_op() -> None:
         prepare.recompute_all_context = original
     assert decisions and set(decisions) == {CheckpointPolicy.MUST_RECOMPUTE}
     torch.testing.assert_close(x.grad, torch.autograd.functional.vjp(lambda t: (t @ t).relu().sum(), x)[1])
+
+
+def test_where_the_checkpoint_goes_is_one_rule_for_the_run_and_the_planner() -> None:
+    from shardtune.plan.setting import setting_from_config
+
+    # (overrides, traced): auto is inside unless the offload needs the block inputs outside; selective always inside
+    cases = [([], True), (["parallel.checkpoint_in_compile=false"], False),
+             (["parallel.activation_offload=true"], False),
+             (["parallel.activation_checkpointing=selective", "parallel.checkpoint_in_compile=false"], True),
+             (["parallel.activation_checkpointing=none"], False), (["parallel.compile=false"], False)]
+    for overrides, traced in cases:
+        cfg = load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full", *overrides])
+        assert checkpoint_traced(cfg.parallel) is traced, overrides
+        assert setting_from_config(cfg, 1, 1).checkpoint_traced is traced, overrides
