@@ -116,6 +116,25 @@ def test_selective_under_compile_saves_the_same_matmuls(monkeypatch):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_selective_policy_runs_at_every_step_only_eager(monkeypatch):
+    # Eager, the policy is called for every op of every block at every step (the host cost the planner prices as
+    # speed.SELECTIVE_LAYER_S); traced by compile it is called while tracing only, so compiled steps pay nothing.
+    decisions = _record_decisions(monkeypatch, lambda ctx, func, args, choice: "op")
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model, _ = _model("selective", compile=compiled)
+        per_step = []
+        for _ in range(3):
+            before = decisions["op"]
+            model(input_ids=ids, labels=ids).loss.backward()
+            per_step.append(decisions["op"] - before)
+        if compiled:
+            assert per_step[0] > 0 and per_step[1:] == [0, 0], per_step
+        else:
+            assert per_step[0] > 0 and per_step[1:] == per_step[:1] * 2, per_step
+
+
 def test_selective_saves_every_other_float8_matmul_too(monkeypatch):
     """train.float8's layers call aten.mm on torchao's float8 tensors (their _scaled_mm runs below the checkpoint's
     dispatch mode), so the policy sees and counts them as matmuls: the same 4 saved and 3 recomputed per block, and

@@ -87,7 +87,9 @@ STEP_OVERHEAD_S = 0.004
 # error) over the five selective rows without 8-bit AdamW: 4.1 ms; fitted on the three of calls 20-33 alone it
 # is 3.7 ms and predicts the two later rows (8B QLoRA, 1B at seq 16,384) within +4.7% and +3.5%. On this
 # project's 2-core CPU a micro block (hidden 64, 16 tokens: all host) costs 1.5 ms more per layer than full
-# checkpointing, 3.9 ms with LoRA adapters (the adapters' small ops pass through the policy too).
+# checkpointing, 3.9 ms with LoRA adapters (the adapters' small ops pass through the policy too). Every selective
+# row on record is eager; under compile the policy runs only while Dynamo traces the block (tests/unit/
+# test_selective_checkpointing.py: no call after the first step), so compiled selective is not charged it.
 SELECTIVE_LAYER_S = 0.0041
 
 
@@ -288,7 +290,7 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     exposed = max(comm - OVERLAP * compute, (1 - OVERLAP) * comm)
     offload = offload_seconds(m, s, hw)
     overhead = STEP_OVERHEAD_S * s.grad_accum
-    if s.activation_checkpointing == "selective":
+    if s.activation_checkpointing == "selective" and not s.checkpoint_traced:  # compiled: decided while tracing
         overhead += SELECTIVE_LAYER_S * m.layers * s.grad_accum
     chunks = fused_chunk_seconds(m, s, hw)
     seconds = compute + optim + copies + exposed + offload + overhead + chunks
