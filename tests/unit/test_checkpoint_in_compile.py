@@ -166,3 +166,29 @@ def test_where_the_checkpoint_goes_is_one_rule_for_the_run_and_the_planner() -> 
         cfg = load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full", *overrides])
         assert checkpoint_traced(cfg.parallel) is traced, overrides
         assert setting_from_config(cfg, 1, 1).checkpoint_traced is traced, overrides
+
+
+@pytest.mark.parametrize("where", ["true", "false"])
+def test_a_deep_copy_or_pickle_of_a_prepared_model_trains_its_own_weights(where: str) -> None:
+    # each block's checkpointed forward names its block as an attribute: a copy computes with the copy's weights
+    # and sends the gradients there (a closure over the original's bound forward had it use the original's)
+    import copy
+    import pickle
+
+    model, _, _ = offload_test_model(["parallel.compile=true", "parallel.activation_checkpointing=full",
+                                      f"parallel.checkpoint_in_compile={where}"])
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()  # compiled once before copying
+    model.zero_grad(set_to_none=True)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.no_grad():
+            for p in copied.parameters():
+                p.mul_(0.5)
+        halved = {n: p.detach().clone() for n, p in copied.named_parameters()}
+        fresh, _, _ = offload_test_model(["parallel.activation_checkpointing=none"])
+        fresh.load_state_dict(halved, strict=False)
+        loss = copied(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert float(loss) == pytest.approx(float(fresh(input_ids=ids, labels=ids).loss), rel=1e-5)
+        assert all(p.grad is not None for p in copied.parameters() if p.requires_grad)
+        assert all(p.grad is None for p in model.parameters())

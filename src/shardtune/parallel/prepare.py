@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shardtune.config import ParallelConfig
 from shardtune.parallel import checkpoint_traced
@@ -313,36 +314,50 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
-def _checkpointed(forward: Any, kwargs: dict[str, Any]) -> Any:
-    """A block's forward under torch.utils.checkpoint where a backward will recompute it (training, with
-    gradients: as transformers' per-block checkpointing; evaluation runs it as is)."""
-    from torch.utils.checkpoint import checkpoint
+class CheckpointedForward:
+    """A block's `forward` under torch.utils.checkpoint where a backward will recompute it (training, with
+    gradients: as transformers' per-block checkpointing; evaluation runs it as is). Held as the block's `forward`
+    attribute; it names its block as an attribute, not in a closure, so a deep copy of the model checkpoints each
+    copied block's own forward (a closure over the original block's bound forward had the copy compute with the
+    original's weights and send its gradients there). `compile_kw`: the checkpoint around `torch.compile` of the
+    forward (made on first use: a copy compiles its own); None: the class's forward, for compile to trace."""
 
-    def checkpointed(self: nn.Module, *args: Any, **kw: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
+    def __init__(self, block: nn.Module, kwargs: dict[str, Any], compile_kw: dict[str, Any] | None = None):
+        self.block, self.kwargs, self.compile_kw = block, kwargs, compile_kw
+        self.function = type(block).forward
+        self.compiled: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "compiled": None}  # compiled code is the original block's: a copy compiles again
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        if self.compile_kw is None:
+            forward, args = self.function, (self.block, *args)
+        else:
+            if self.compiled is None:
+                self.compiled = torch.compile(types.MethodType(self.function, self.block), **self.compile_kw)
+            forward = self.compiled
+        if not (self.block.training and torch.is_grad_enabled()):
             return forward(*args, **kw)
         # no KV cache under checkpointing (as transformers): the recompute would read the one the forward wrote
         kw.update({k: None for k in CACHE_KWARGS if kw.get(k) is not None})
         if kw.get("use_cache"):
             kw["use_cache"] = False
-        return checkpoint(forward, *args, **kwargs, **kw)
-
-    return checkpointed
+        return checkpoint(forward, *args, **self.kwargs, **kw)
 
 
 def checkpoint_around(block: nn.Module, kwargs: dict[str, Any], compile_kw: dict[str, Any]) -> None:
     """`block.forward` compiled, and checkpointed around the compiled call: the recompute runs the compiled
     forward again, from Python (what transformers up to 5.18 does with a compiled block; what the GPU numbers
     before the twenty-seventh session measured)."""
-    compiled = torch.compile(block.forward, **compile_kw)
-    block.forward = types.MethodType(_checkpointed(compiled, kwargs), block)
+    block.forward = CheckpointedForward(block, kwargs, compile_kw)
 
 
 def checkpoint_inside(block: nn.Module, kwargs: dict[str, Any]) -> None:
     """`block.forward` under torch.utils.checkpoint, for compile to trace: Dynamo turns the checkpoint into a
     higher-order op and the compiled backward recomputes the block itself, as torchtitan compiles its
     checkpoint-wrapped blocks. (The block's parameter names stay as they are: no wrapper module.)"""
-    block.forward = types.MethodType(_checkpointed(block.forward, kwargs), block)
+    block.forward = CheckpointedForward(block, kwargs)
 
 
 def allow_side_effects_under_checkpoint() -> None:
