@@ -101,7 +101,7 @@ def uses_cudagraphs(parallel: ParallelConfig) -> bool:
 
 
 def checkpoint_traced(p: ParallelConfig) -> bool:
-    """Whether compile traces each block's checkpoint (parallel/prepare.checkpoint_inside): see traces_checkpoint."""
+    """Whether compile traces each block's checkpoint (parallel/prepare.CheckpointedForward): see traces_checkpoint."""
     return traces_checkpoint(p.compile, p.activation_checkpointing, p.checkpoint_in_compile, p.activation_offload)
 
 

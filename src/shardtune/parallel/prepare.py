@@ -281,10 +281,10 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned).
     Eager blocks take transformers' per-block checkpointing. Compiled blocks are checkpointed here, the same way on
     every transformers release (transformers wraps `__call__` up to 5.18, around the compiled block, and `forward`
-    in newer ones, 5.25, inside it): around the compiled forward (checkpoint_around: the recompute runs it again
-    from Python: parallel.checkpoint_in_compile false, or auto with activation offload), or inside it
-    (checkpoint_inside: the compiled backward recomputes; the default, and always for selective:
-    parallel.checkpoint_traced). The block's hooks (FSDP2's) stay outside the checkpoint either way."""
+    in newer ones, 5.25, inside it), as CheckpointedForward: around the compiled forward (the recompute runs it
+    again from Python: parallel.checkpoint_in_compile false, or auto with activation offload), or inside it (the
+    compiled backward recomputes; the default, and always for selective: parallel.checkpoint_traced). The block's
+    hooks (FSDP2's) stay outside the checkpoint either way."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
     mode = parallel.activation_checkpointing
     if not parallel.compile:
@@ -295,18 +295,15 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return offload
-    traced = mode != "none" and checkpoint_traced(parallel)
+    traced = checkpoint_traced(parallel)
     if traced:
         allow_side_effects_under_checkpoint()
     kwargs, compile_kw = checkpoint_kwargs(mode, traced), compile_kwargs(parallel)
     for block in blocks:
-        if mode == "none":
+        if mode != "none":
+            block.forward = CheckpointedForward(block, kwargs, None if traced else compile_kw)
+        if mode == "none" or traced:
             block.compile(**compile_kw)
-        elif traced:
-            checkpoint_inside(block, kwargs)
-            block.compile(**compile_kw)
-        else:
-            checkpoint_around(block, kwargs, compile_kw)
     return offload
 
 
@@ -320,7 +317,11 @@ class CheckpointedForward:
     attribute; it names its block as an attribute, not in a closure, so a deep copy of the model checkpoints each
     copied block's own forward (a closure over the original block's bound forward had the copy compute with the
     original's weights and send its gradients there). `compile_kw`: the checkpoint around `torch.compile` of the
-    forward (made on first use: a copy compiles its own); None: the class's forward, for compile to trace."""
+    forward (made on first use: a copy compiles its own), so the recompute runs the compiled forward again from
+    Python (what transformers up to 5.18 does with a compiled block; the GPU numbers before the twenty-seventh
+    session). None: the class's forward, inside the block's own compile, which traces the checkpoint into a
+    higher-order op so the compiled backward recomputes the block itself (torchtitan's order: checkpoint, then
+    compile; the block's parameter names stay as they are, no wrapper module)."""
 
     def __init__(self, block: nn.Module, kwargs: dict[str, Any], compile_kw: dict[str, Any] | None = None):
         self.block, self.kwargs, self.compile_kw = block, kwargs, compile_kw
@@ -344,20 +345,6 @@ class CheckpointedForward:
         if kw.get("use_cache"):
             kw["use_cache"] = False
         return checkpoint(forward, *args, **self.kwargs, **kw)
-
-
-def checkpoint_around(block: nn.Module, kwargs: dict[str, Any], compile_kw: dict[str, Any]) -> None:
-    """`block.forward` compiled, and checkpointed around the compiled call: the recompute runs the compiled
-    forward again, from Python (what transformers up to 5.18 does with a compiled block; what the GPU numbers
-    before the twenty-seventh session measured)."""
-    block.forward = CheckpointedForward(block, kwargs, compile_kw)
-
-
-def checkpoint_inside(block: nn.Module, kwargs: dict[str, Any]) -> None:
-    """`block.forward` under torch.utils.checkpoint, for compile to trace: Dynamo turns the checkpoint into a
-    higher-order op and the compiled backward recomputes the block itself, as torchtitan compiles its
-    checkpoint-wrapped blocks. (The block's parameter names stay as they are: no wrapper module.)"""
-    block.forward = CheckpointedForward(block, kwargs)
 
 
 def allow_side_effects_under_checkpoint() -> None:

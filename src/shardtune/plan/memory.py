@@ -156,9 +156,10 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf and INSIDE_FIXED more with the checkpoint inside
     it."""
     extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
+    fixed = 0.0
     if s.checkpoint_traced:
-        extra += INSIDE_RECOMPUTE
-    return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens + (INSIDE_FIXED if s.checkpoint_traced else 0.0)
+        extra, fixed = extra + INSIDE_RECOMPUTE, INSIDE_FIXED
+    return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens + fixed
 
 
 def offloaded_activations(m: ModelShape, s: Setting) -> float:
