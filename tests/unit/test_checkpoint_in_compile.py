@@ -78,7 +78,7 @@ def test_checkpointing_inside_the_compiled_blocks_keeps_the_losses_gradients_and
     # it checkpoints: full saves about what the checkpoint around the compiled blocks saves (the block inputs and a
     # few small tensors more), selective the kept matmul outputs too (around, its cache is outside autograd's
     # hooks, so not comparable here); both far less than without
-    assert inside[2] < 0.6 * plain[2], (inside[2], outside[2], plain[2])
+    assert inside[2] < (0.5 if ac == "full" else 0.6) * plain[2], (inside[2], outside[2], plain[2])
     if ac == "full":
         assert inside[2] <= 1.1 * outside[2], (inside[2], outside[2], plain[2])
     # and all are compiled: Dynamo traced the blocks without a graph break (the checkpoint inside needs
