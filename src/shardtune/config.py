@@ -546,15 +546,40 @@ def _key(loc: tuple[Any, ...]) -> str:
     return out or "config"
 
 
+def _field_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A union field reports each branch as an extra location part (`int`, `bool`, `constrained-int`,
+    `literal['auto']`): the key alone."""
+    return tuple(part for part in loc if not (isinstance(part, str) and (
+        part.startswith(("constrained-", "literal[")) or part in ("int", "bool", "float", "str"))))
+
+
+def _expected(branch: dict[str, Any]) -> str:
+    """What one union branch takes, for the error line."""
+    kind = branch["type"]
+    if kind == "literal_error":
+        return branch.get("ctx", {}).get("expected", "")
+    if kind.startswith("bool"):
+        return "true, false"
+    bounds = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    ctx = branch.get("ctx", {})
+    bound = next((f" {sign} {ctx[k]}" for k, sign in bounds.items() if k in ctx), "")
+    if kind.startswith(("int", "float", "greater_than", "less_than")):
+        number = "an integer" if "int" in str(branch["loc"][-1]) else "a number"  # the branch: int, constrained-int
+        return number + bound
+    return branch["msg"].lower()
+
+
 def _one_line(err: ValidationError) -> str:
     """The first error of a pydantic ValidationError as one actionable line."""
-    e = err.errors()[0]
-    # A union field (`int | "auto"`) reports each branch as an extra location part: keep the key alone.
-    loc = tuple(part for part in e["loc"] if not (isinstance(part, str) and
-                                                   (part.startswith(("constrained-", "literal[")) or part == "int")))
+    errors = err.errors()
+    e = errors[0]
+    loc = _field_loc(e["loc"])
     key = _key(loc)
     value = e.get("input")
     kind = e["type"]
+    branches = [b for b in errors if _field_loc(b["loc"]) == loc and len(b["loc"]) > len(loc)]
+    if len(branches) > 1:  # a union field (`int | "auto"`, `bool | "auto"`): every branch refused the value
+        return f"{key}: {value!r} is not valid; use {' or '.join(_expected(b) for b in branches)}"
     if kind == "extra_forbidden":
         model = _model_at(loc)
         allowed = [f.alias or n for n, f in model.model_fields.items()] if model else []

@@ -37,7 +37,9 @@ def test_validate_ok():
 @pytest.mark.parametrize("override, fragments", [
     ("train.lerning_rate=1", ["train.lerning_rate", "did you mean"]),
     ("parallel.strategy=zero9", ["parallel.strategy", "zero9", "zero3"]),
-    ("train.micro_batch_size=two", ["train.micro_batch_size", "'two'"]),
+    ("train.micro_batch_size=two", ["train.micro_batch_size", "'two'", "use an integer or 'auto'"]),
+    # a union of bool and "auto": every choice named, the key alone (no branch name after it)
+    ("parallel.checkpoint_in_compile=maybe", ["parallel.checkpoint_in_compile: 'maybe'", "use true, false or 'auto'"]),
     ("data.train_file=/nope.jsonl", ["data.train_file", "/nope.jsonl"]),
     ("train.seq_len=100000", ["train.seq_len", "max_position_embeddings"]),
 ])
