@@ -168,15 +168,39 @@ def test_where_the_checkpoint_goes_is_one_rule_for_the_run_and_the_planner() -> 
         assert setting_from_config(cfg, 1, 1).checkpoint_traced is traced, overrides
 
 
-@pytest.mark.parametrize("where", ["true", "false"])
+def test_eager_blocks_are_checkpointed_by_shardtune_on_every_transformers_release() -> None:
+    # transformers' own per-block checkpointing wraps `__call__` (hooks inside the checkpoint) up to 5.18 and
+    # `forward` after: shardtune's CheckpointedForward is the one mechanism, compiled or not
+    from shardtune.parallel.prepare import CheckpointedForward
+
+    def run(ac: str):
+        model, blocks, _ = offload_test_model([f"parallel.activation_checkpointing={ac}"])
+        calls = []
+        for block in blocks:
+            block.mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # the recompute stops early
+        ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return model, blocks, len(calls), {n: p.grad for n, p in model.named_parameters()}
+
+    model, blocks, calls, grads = run("full")
+    plain = run("none")
+    assert all(isinstance(b.forward, CheckpointedForward) for b in blocks)
+    assert not getattr(model, "is_activation_checkpointing", model.is_gradient_checkpointing)
+    assert calls == 2 * plain[2] == 2 * len(blocks)  # each block's forward ran again in backward
+    for name, grad in plain[3].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("where", ["true", "false", "eager"])
 def test_a_deep_copy_or_pickle_of_a_prepared_model_trains_its_own_weights(where: str) -> None:
     # each block's checkpointed forward names its block as an attribute: a copy computes with the copy's weights
     # and sends the gradients there (a closure over the original's bound forward had it use the original's)
     import copy
     import pickle
 
-    model, _, _ = offload_test_model(["parallel.compile=true", "parallel.activation_checkpointing=full",
-                                      f"parallel.checkpoint_in_compile={where}"])
+    placed = ["parallel.compile=false"] if where == "eager" else [f"parallel.checkpoint_in_compile={where}",
+                                                                   "parallel.compile=true"]
+    model, _, _ = offload_test_model(["parallel.activation_checkpointing=full", *placed])
     ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()  # compiled once before copying
     model.zero_grad(set_to_none=True)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from shardtune.config import ParallelConfig
+from shardtune.parallel.prepare import checkpoint_and_compile
 from shardtune.peft.qlora import (
     is_nf4,
     load_nf4_rows,
@@ -176,10 +178,9 @@ def test_activation_checkpointing_gives_the_same_gradients():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, 0, 0.02, generator=torch.Generator().manual_seed(len(name)))
-        if checkpointing:  # transformers 5 renamed gradient_ to activation_checkpointing_enable
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            kwarg = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-            enable(**{f"{kwarg}_checkpointing_kwargs": {"use_reentrant": False}})
+        if checkpointing:  # as a run checkpoints each block (prepare.CheckpointedForward)
+            blocks = list(model.base_model.model.model.layers)
+            checkpoint_and_compile(model, blocks, ParallelConfig(activation_checkpointing="full"))
         model.train()
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
         model(input_ids=ids, labels=ids).loss.backward()

@@ -69,7 +69,7 @@ def recompute_all_context() -> Any:
 
 
 def checkpoint_kwargs(mode: str, traced: bool = False) -> dict[str, Any]:
-    """Keyword arguments for torch.utils.checkpoint.checkpoint (through transformers' per-block checkpointing).
+    """Keyword arguments for torch.utils.checkpoint.checkpoint (CheckpointedForward).
     Non-reentrant checkpointing composes with FSDP2, DeepSpeed and compile; it keeps parameter names. `traced`:
     the checkpoint is inside compiled code (recompute_all_context for full)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
@@ -279,30 +279,23 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
 def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
                            device_type: str = "cpu") -> ActivationOffload | None:
     """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned).
-    Eager blocks take transformers' per-block checkpointing. Compiled blocks are checkpointed here, the same way on
-    every transformers release (transformers wraps `__call__` up to 5.18, around the compiled block, and `forward`
-    in newer ones, 5.25, inside it), as CheckpointedForward: around the compiled forward (the recompute runs it
-    again from Python: parallel.checkpoint_in_compile false, or auto with activation offload), or inside it (the
-    compiled backward recomputes; the default, and always for selective: parallel.checkpoint_traced). The block's
-    hooks (FSDP2's) stay outside the checkpoint either way."""
+    Every block is checkpointed here as CheckpointedForward, the same way on every transformers release and
+    whether compiled or not (transformers' own per-block checkpointing wraps `__call__` up to 5.18, its hooks inside
+    the checkpoint, and `forward` in newer ones, 5.25): eager, around the block's forward; compiled, around the
+    compiled forward (the recompute runs it again from Python: parallel.checkpoint_in_compile false, or auto with
+    activation offload) or inside it (the compiled backward recomputes; the default, and always for selective:
+    parallel.checkpoint_traced). The block's hooks (FSDP2's, DeepSpeed's) stay outside the checkpoint, as
+    torchtitan's checkpoint wrapper keeps them."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
-    mode = parallel.activation_checkpointing
-    if not parallel.compile:
-        if mode != "none":
-            kwargs = checkpoint_kwargs(mode)
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return offload
-    traced = checkpoint_traced(parallel)
+    mode, traced = parallel.activation_checkpointing, checkpoint_traced(parallel)
     if traced:
         allow_side_effects_under_checkpoint()
     kwargs, compile_kw = checkpoint_kwargs(mode, traced), compile_kwargs(parallel)
+    compiled_around = parallel.compile and mode != "none" and not traced
     for block in blocks:
         if mode != "none":
-            block.forward = CheckpointedForward(block, kwargs, None if traced else compile_kw)
-        if mode == "none" or traced:
+            block.forward = CheckpointedForward(block, kwargs, compile_kw if compiled_around else None)
+        if parallel.compile and not compiled_around:
             block.compile(**compile_kw)
     return offload
 
