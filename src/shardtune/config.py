@@ -260,8 +260,11 @@ class OptimConfig(_Section):
     warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a fraction of train.lr.")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Clip the global grad norm; 0 disables clipping.")
-    fused: bool | Literal["auto"] = Field(
-        "auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under FSDP2 sharding (foreach).")
+    fused: bool | Literal["auto", "compiled"] = Field(
+        "auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under FSDP2 sharding (foreach). "
+                            "compiled: on the one-GPU direct path (parallel.one_gpu), the gradient norm, clipping, "
+                            "AdamW and the cast to the compute-dtype weights as one torch.compile'd update, reading "
+                            "a step's only micro-batch's gradients in the compute dtype (no fp32 gradients).")
 
 
 class TrainConfig(_Section):

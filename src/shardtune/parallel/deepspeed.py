@@ -75,6 +75,9 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     config shardtune builds on its own is one DeepSpeed accepts, and a `deepspeed:` section goes through
     DeepSpeed's parser in `validate` and in the launch (shardtune's merge of it is checked here either way)."""
     p = cfg.parallel
+    if cfg.optim.fused == "compiled":
+        raise ShardtuneError("optim.fused: compiled is the FSDP2 backend's one-GPU update; DeepSpeed runs its own "
+                             "optimizer: set optim.fused=auto, or parallel.backend=fsdp2")
     if device == "cpu" and cfg.train.precision == "fp16":
         raise ShardtuneError("train.precision: DeepSpeed has no fp16 on CPU; use train.precision=bf16 or fp32 here "
                              "(fp16 with deepspeed needs GPUs), or parallel.backend=fsdp2")

@@ -102,6 +102,12 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
                              "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
                              "(foreach AdamW then), or train.precision=bf16")
+    if cfg.optim.fused == "compiled" and (
+            cfg.optim.name != "adamw" or cfg.train.precision == "fp16" or p.strategy not in ("zero2", "zero3")
+            or p.one_gpu == "fsdp2" or (world is not None and not runs_direct(cfg, world))):
+        raise ShardtuneError("optim.fused: compiled is the update of the one-GPU direct path (one process, "
+                             "parallel.strategy zero2 / zero3, parallel.one_gpu auto or direct, AdamW, bf16 or fp32; "
+                             "`shardtune plan` says whether a run takes it); set optim.fused=auto")
     if cfg.deepspeed:
         raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
@@ -139,8 +145,9 @@ def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
     if p.strategy == "ddp":
         return "torch DDP (replicated)"
     if runs_direct(cfg, world):
+        update = "; one compiled update (optim.fused: compiled)" if cfg.optim.fused == "compiled" else ""
         return ("one process without FSDP2: compute-dtype weights in the model, fp32 masters in the optimizer "
-                "(parallel.one_gpu: direct)")
+                f"(parallel.one_gpu: direct){update}")
     if p.strategy == "hsdp":
         shard = hsdp_shard_size(p, world, per_node or world)
         return (f"FSDP2 hybrid sharding: fully_shard per decoder block on a (replicate {world // shard}, shard "
@@ -159,7 +166,7 @@ def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
     from shardtune.parallel.fsdp2_engine import FSDP2Backend
 
     return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx, loss, cfg.optim.max_grad_norm,
-                        direct=runs_direct(cfg, ctx.world))
+                        direct=runs_direct(cfg, ctx.world), compiled_update=cfg.optim.fused == "compiled")
 
 
 def keeps_float8_base(parallel: ParallelConfig, world: int) -> bool:

@@ -25,6 +25,7 @@ from shardtune.fileio import jsonable
 from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.weights import WeightSource, load_weights
 from shardtune.parallel.base import DTYPES, LossFn, OptimizerFactory
+from shardtune.parallel.compiled_adamw import CompiledAdamW
 from shardtune.parallel.fsdp2 import frozen_whole, hsdp_shard_size, uses_sharded_scaler
 from shardtune.parallel.prepare import ActivationOffload, checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
@@ -52,9 +53,16 @@ def _without_frozen_aliases(module: nn.Module, model_sd: dict[str, Any]) -> dict
 
 class FSDP2Backend:
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, loss: LossFn,
-                 max_grad_norm: float, *, direct: bool = False) -> None:
+                 max_grad_norm: float, *, direct: bool = False, compiled_update: bool = False) -> None:
         self.parallel, self.precision, self.ctx = parallel, precision, ctx
         self.direct = direct  # zero2 / zero3 on one process without FSDP2 (fsdp2.runs_direct)
+        # optim.fused: compiled (direct only): norm, clip, skip, AdamW and the cast to the compute copies in one
+        # compiled update (parallel/compiled_adamw.py); a step's only micro-batch leaves its gradients in the
+        # compute dtype for it
+        self.compiled_update: CompiledAdamW | None = None
+        self.wants_compiled_update = compiled_update
+        self.micro_batches = 0  # micro-batches run since the last step
+        self.grads_stay = False  # this micro-batch's gradients stay in the compute dtype (the compiled update's)
         self.loss, self.max_grad_norm = loss, max_grad_norm
         self.skip_nonfinite = True  # the loop sets train.skip_nonfinite
         self.step_skipped = False  # whether the last step() left the weights as they were (non-finite grads)
@@ -98,6 +106,8 @@ class FSDP2Backend:
         # The direct path's fused AdamW takes the clip and the non-finite skip into its kernel (decided once here,
         # not every step).
         self.update_in_kernel = self.direct and self.scaler is None and bool(self.optimizer.defaults.get("fused"))
+        if self.wants_compiled_update and self.direct and self.scaler is None:
+            self.compiled_update = CompiledAdamW(self.optimizer, {id(m): c for c, m in self.pairs})
 
     def _setup_ddp(self, model: nn.Module, weights: WeightSource | None) -> None:
         load_weights(model, weights, self.ctx.device)
@@ -178,8 +188,11 @@ class FSDP2Backend:
 
     def _gradient_to_master(self, compute: torch.Tensor) -> None:
         """A compute-dtype gradient into its master's fp32 one (summed over micro-batches in fp32, as FSDP2's
-        reduce_dtype does), then freed."""
+        reduce_dtype does), then freed; under the compiled update a step's only micro-batch leaves it where it
+        is (the update reads it in the compute dtype)."""
         master = self.masters[id(compute)]
+        if self.grads_stay and master.grad is None:
+            return
         if master.grad is None:
             master.grad = compute.grad.to(torch.float32)
         else:
@@ -231,6 +244,9 @@ class FSDP2Backend:
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         no_sync = self.parallel.strategy == "ddp" and not sync_grads
+        # sync_grads: the step's last micro-batch; also its first, so its only one
+        self.grads_stay = self.compiled_update is not None and sync_grads and self.micro_batches == 0
+        self.micro_batches += 1
         with self.model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
             loss = (self._fused_loss(batch) if self.fused_loss else self.loss(self.forward(batch), batch.labels))
             loss = loss / normalizer
@@ -243,6 +259,9 @@ class FSDP2Backend:
         return loss.detach()
 
     def step(self) -> torch.Tensor:
+        self.micro_batches = 0
+        if self.compiled_update is not None:
+            return self._update_compiled()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = self.step_params
@@ -296,6 +315,18 @@ class FSDP2Backend:
         self.skip_flag = flag if self.skip_nonfinite else None
         return norm
 
+    def _update_compiled(self) -> torch.Tensor:
+        """optim.fused: compiled: the whole update queued as one compiled function; the skip flag, as in
+        _update_in_fused_adamw, goes to pinned memory and is read once the next step's kernels are queued."""
+        norm = self.compiled_update.step(self.max_grad_norm, self.skip_nonfinite)
+        self.compiled_update.zero_grad()
+        self.step_skipped = False
+        if norm is None:  # no gradient anywhere (nothing trainable took part): as optimizer.step() would
+            self.skip_flag = None
+            return torch.zeros((), device=self.ctx.device)
+        self.skip_flag = HostCopy((~torch.isfinite(norm)).float()) if self.skip_nonfinite else None
+        return norm
+
     @property
     def step_applied(self) -> bool:
         return True  # the schedule steps with every step, as torch's does after a GradScaler skip
@@ -308,9 +339,15 @@ class FSDP2Backend:
             return {"model": _without_frozen_aliases(self.module, model_sd), "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict takes each group's settings from the checkpoint, `fused` and `foreach` too: a run
+        # resumed with another optim.fused would update as the saved one did (and the direct path's fused update
+        # would hand its clip to a foreach AdamW, which refuses it). The kernel is this run's choice.
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
         with self._masters_in_place():
             set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
+        for group, kernel in zip(self.optimizer.param_groups, kernels, strict=True):
+            group.update(kernel)
         self._masters_to_compute()
 
     def extra_state(self) -> dict[str, Any]:

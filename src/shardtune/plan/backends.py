@@ -149,8 +149,8 @@ class Fsdp2Rules:
         (neither is counted here); what direct saves against FSDP2 is DIRECT_EFF (measured, calls 42-43)."""
         p = s.compute_bytes
         trainable = m.params if s.peft == "none" else m.lora_params
-        if s.one_gpu_direct:
-            return 0.0 if p == 4 else trainable * (4 + p)
+        if s.one_gpu_direct:  # the compiled update writes the copies as it updates (speed.optimizer_bytes)
+            return 0.0 if p == 4 or s.update_compiled else trainable * (4 + p)
         gathers = {"ddp": 0, "zero2": 1}.get(s.strategy, 2)
         copied = m.lora_params if s.frozen_local else m.params
         return gathers * s.grad_accum * 2 * copied * p

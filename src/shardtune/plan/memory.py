@@ -273,7 +273,7 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
     return {
         "parameters": 4.0 * trainable / pshards + frozen,
         "master_weights": 0.0,
-        "gradients": 4.0 * trainable / pshards,
+        "gradients": s.gradient_bytes * trainable / pshards,
         "optimizer": per_optim * trainable / oshards,
     }
 

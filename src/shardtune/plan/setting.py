@@ -32,6 +32,7 @@ class Setting:
     base_dtype: str = "auto"
     dora: bool = False  # peft.use_dora
     optim: str = "adamw"
+    compiled_update: bool = False  # optim.fused: compiled (update_compiled: whether it applies here)
     attn: str = "sdpa"
     packing: bool = False
     async_checkpoint: bool = False
@@ -100,6 +101,20 @@ class Setting:
             optim=self.optim, activation_offload=self.activation_offload, base_dtype=self.base_dtype)
 
     @property
+    def update_compiled(self) -> bool:
+        """The direct path's compiled update runs (optim.fused: compiled; parallel/compiled_adamw.py)."""
+        return self.compiled_update and self.optim == "adamw" and self.one_gpu_direct
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes each trainable parameter's gradient holds until the update: fp32, except under the compiled update
+        with one micro-batch a step, which reads full fine-tuning's compute-dtype gradients as autograd made them
+        (LoRA's matrices, cast in their forward, get fp32 gradients either way)."""
+        if self.update_compiled and self.grad_accum == 1 and self.peft == "none":
+            return self.compute_bytes
+        return 4
+
+    @property
     def tokens(self) -> int:
         """Tokens in one micro-batch of one process."""
         return self.micro_batch_size * self.seq_len
@@ -145,7 +160,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
-        attn=cfg.model.attn_implementation,
+        compiled_update=cfg.optim.fused == "compiled", attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),

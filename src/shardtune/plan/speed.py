@@ -68,6 +68,18 @@ LORA_OVERHEAD = 0.1
 # p, m, v (28 bytes); torchao's 8-bit AdamW (dequantise, update, requantise in eager blocks) costs as much as
 # moving ~125 bytes (measured: 0.93x of AdamW on the 1B shape).
 OPTIM_BYTES = {"adamw": 28.0, "adamw8bit": 125.0}
+
+
+def optimizer_bytes(s: Setting) -> float:
+    """HBM bytes per trainable parameter of one update (OPTIM_BYTES). The direct path's compiled update
+    (optim.fused: compiled) reads each gradient twice (the norm, the update) as it holds it (Setting.gradient_bytes)
+    and writes the compute-dtype copy as it writes the master (so backends.copy_bytes counts no cast back):
+    24 bytes of p, m, v read and written, 2 x g, and p. Its other saving, the gradient cast into an fp32 master
+    during backward, sits inside the direct path's fitted efficiency (DIRECT_EFF) and is not credited until
+    measured."""
+    if s.update_compiled:
+        return 24.0 + 2 * s.gradient_bytes + (s.compute_bytes if s.peft == "none" else 0)
+    return OPTIM_BYTES[s.optim]
 # The fused NF4 dequantisation kernel moved 1,722 GB/s on an H200 (bench/nf4_linear.py; 0.35 of its HBM fitted to
 # the QLoRA steps, 1.5 TB/s). Priced from the H100's HBM (the same chip with 30% less bandwidth), 8B QLoRA ran
 # 10-11% faster than predicted (calls 83-84, bench/RESULTS.md twenty-eighth session): taken as bound by the SMs, so
@@ -284,7 +296,7 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
         compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / min(
             hw.bf16_flops * DEQUANT_BYTES_PER_FLOP, hw.hbm_bytes_per_s)
     trainable = m.params if s.peft == "none" else m.lora_params
-    optim = trainable / s.optim_shards() * OPTIM_BYTES[s.optim] / hw.hbm_bytes_per_s if s.offload == "none" else 0.0
+    optim = trainable / s.optim_shards() * optimizer_bytes(s) / hw.hbm_bytes_per_s if s.offload == "none" else 0.0
     comm = comm_seconds(m, s, hw)
     copies = gather_copy_seconds(m, s, hw)
     exposed = max(comm - OVERLAP * compute, (1 - OVERLAP) * comm)

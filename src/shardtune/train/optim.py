@@ -32,6 +32,8 @@ def use_fused(optim: OptimConfig, device: torch.device, sharded_fp16: bool) -> b
     there the sharded gradient scaler hands the optimizer a shape-[1] overflow flag, on which fused AdamW fails
     (`output with shape [] doesn't match the broadcast shape [1]`; found on an H200, reproduced on CPU), so
     foreach AdamW."""
+    if optim.fused == "compiled":  # the direct path's own update; torch's AdamW keeps the state (foreach layout)
+        return False
     if optim.fused == "auto":
         return device.type in ("cuda", "cpu") and not sharded_fp16
     return bool(optim.fused)
