@@ -151,9 +151,11 @@ def test_it_is_refused_where_it_does_not_run(overrides, match) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_two_processes_refuse_it_before_they_start(cli, tmp_path) -> None:
-    proc = cli("train", TINY, *RUN[:-2], "train.precision=bf16", "optim.fused=compiled", "--nproc", "2",
-               "--output-dir", str(tmp_path / "o"))
+@pytest.mark.parametrize("strategy", ["zero2", "auto"])  # auto: that refusal, not the planner's "nothing fits"
+def test_two_processes_refuse_it_before_they_start(cli, tmp_path, strategy) -> None:
+    args = [a for a in RUN[:-2] if not a.startswith("parallel.strategy")]
+    proc = cli("train", TINY, *args, f"parallel.strategy={strategy}", "train.precision=bf16", "optim.fused=compiled",
+               "--nproc", "2", "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 2 and "optim.fused: compiled is the update of the one-GPU direct path" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

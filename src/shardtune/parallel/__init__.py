@@ -136,6 +136,13 @@ def cudagraphs_rule_out_checkpointing(p: ParallelConfig) -> bool:
                                                         p.activation_offload)
 
 
+def check_optimizer_update(cfg: Config, world: int) -> None:
+    """optim.fused's refusals that hold whatever `parallel.strategy: auto` would pick (the planner's "nothing fits"
+    names them instead): the compiled update on more than one process."""
+    if cfg.parallel.backend == "fsdp2":
+        fsdp2.check_compiled_update(cfg, world)
+
+
 def check_cudagraphs(p: ParallelConfig) -> None:
     """CUDA graph trees under activation checkpointing: the recompute in backward keeps a graph's input alive
     that died while it was recorded, and torch stops the run in the first backward ("graph recording observed an

@@ -102,12 +102,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
                              "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
                              "(foreach AdamW then), or train.precision=bf16")
-    if cfg.optim.fused == "compiled" and (
-            cfg.optim.name != "adamw" or cfg.train.precision == "fp16" or p.strategy not in ("zero2", "zero3")
-            or p.one_gpu == "fsdp2" or (world is not None and not runs_direct(cfg, world))):
-        raise ShardtuneError("optim.fused: compiled is the update of the one-GPU direct path (one process, "
-                             "parallel.strategy zero2 / zero3, parallel.one_gpu auto or direct, AdamW, bf16 or fp32; "
-                             "`shardtune plan` says whether a run takes it); set optim.fused=auto")
+    check_compiled_update(cfg, world)
     if cfg.deepspeed:
         raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
@@ -136,6 +131,19 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true needs activation "
                              "checkpointing (the offload hooks would run inside the compiled blocks); set "
                              "parallel.activation_checkpointing=full, or parallel.compile=false")
+
+
+def check_compiled_update(cfg: Config, world: int | None) -> None:
+    """optim.fused: compiled runs on the one-GPU direct path only (`world`: every process of the job, when known;
+    with more than one it is refused whatever strategy `auto` would pick)."""
+    p = cfg.parallel
+    if cfg.optim.fused == "compiled" and (
+            cfg.optim.name != "adamw" or cfg.train.precision == "fp16" or p.strategy in ("ddp", "hsdp")
+            or p.one_gpu == "fsdp2"
+            or (world is not None and (world > 1 or (p.strategy != "auto" and not runs_direct(cfg, world))))):
+        raise ShardtuneError("optim.fused: compiled is the update of the one-GPU direct path (one process, "
+                             "parallel.strategy zero2 / zero3, parallel.one_gpu auto or direct, AdamW, bf16 or fp32; "
+                             "`shardtune plan` says whether a run takes it); set optim.fused=auto")
 
 
 def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
