@@ -116,17 +116,17 @@ def fused_runs(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("precision, accum", CASES)
-def test_a_run_trains_as_with_the_fused_kernel_and_resumes_under_it(cli, fused_runs, tmp_path, precision, accum):
-    # Stopped at step 2 and resumed with the fused kernel: the state is torch's. In bf16 the two updates' fp32
-    # rounding can turn a weight's bf16 copy one unit the other way, which moves the gradient norm by up to 1e-3
-    # and the loss by up to 1e-5 at steps 2-4 (stated; measured 7.6e-4 and 1e-5); fp32 computes with the masters,
-    # to 1e-6. The exact parts are pinned by the unit tests above.
+@pytest.mark.parametrize("precision, accum, then", [(*case, "auto") for case in CASES] + [("bf16", 1, "compiled")])
+def test_a_run_trains_as_with_the_fused_kernel_and_resumes(cli, fused_runs, tmp_path, precision, accum, then):
+    # Stopped at step 2 and resumed with the fused kernel (the state is torch's), or with the compiled update
+    # again. In bf16 the two updates' fp32 rounding can turn a weight's bf16 copy one unit the other way, which
+    # moves the gradient norm by up to 1e-3 and the loss by up to 1e-5 at steps 2-4 (stated; measured 7.6e-4 and
+    # 1e-5); fp32 computes with the masters, to 1e-6. The exact parts are pinned by the unit tests above.
     out = tmp_path / "run"
     args = [*RUN, f"train.precision={precision}", f"train.grad_accum={accum}", "--output-dir", str(out)]
     first = cli("train", TINY, *args, "optim.fused=compiled", "train.stop_after_step=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = cli("train", TINY, *args, "--resume")
+    resumed = cli("train", TINY, *args, f"optim.fused={then}", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got, want = _records(out), fused_runs[precision, accum]
     assert sorted(got) == [1, 2, 3, 4]
