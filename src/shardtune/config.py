@@ -263,7 +263,7 @@ class OptimConfig(_Section):
     fused: bool | Literal["auto", "compiled"] = Field(
         "auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under FSDP2 sharding (foreach). "
                             "compiled: on the one-GPU direct path (parallel.one_gpu), the gradient norm, clipping, "
-                            "AdamW and the cast to the compute-dtype weights as one torch.compile'd update, reading "
+                            "AdamW and the cast to the compute-dtype weights as torch.compile'd code, reading "
                             "a step's only micro-batch's gradients in the compute dtype (no fp32 gradients).")
 
 

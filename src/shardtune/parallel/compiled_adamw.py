@@ -1,5 +1,5 @@
 """`optim.fused: compiled` on the one-GPU direct path: the step's gradient norm, clipping, non-finite skip, AdamW
-update and the cast of each updated master to the model's compute-dtype copy, in one torch.compile'd function.
+update and the cast of each updated master to the model's compute-dtype copy, as torch.compile'd code.
 
 Why: the direct path's update otherwise streams the weights four times (1B shape on one H200, call 57's profile,
 per 127 ms step): each bf16 gradient cast into an fp32 master gradient in backward (4.7 ms), the norm over those
@@ -17,23 +17,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
+
+# Parameters per compiled call. One call over every parameter (146 on the 1B shape) made one graph of ~2,200 nodes,
+# 124 s to compile on a CPU; chunks of a few flattened tensors, traced with dynamic sizes, reuse a handful of small
+# graphs (one per chunk length, weight-decay group and gradient dtype) at ~20 calls a step.
+CHUNK = 8
 
 
-def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                 exp_avg_sqs: list[torch.Tensor], copies: list[torch.Tensor | None], step: torch.Tensor,
-                 lrs: torch.Tensor, hyper: tuple[tuple[int, float, float, float, float], ...],
-                 max_grad_norm: float, skip_nonfinite: bool) -> torch.Tensor:
-    """One AdamW step over every trainable master, in place; returns the gradient norm (before clipping).
-    `hyper[i]`: (index of param i's group in `lrs`, weight decay, beta1, beta2, eps). `step`: the steps taken so
-    far (a 0-dim fp32 tensor, advanced unless the step is skipped). `copies[i]`: the compute-dtype tensor the
-    model computes with, written from the updated master (None where the model computes with the master)."""
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-    keep = torch.isfinite(norm) if skip_nonfinite else torch.ones((), dtype=torch.bool, device=norm.device)
-    divisor = (norm + 1e-6).div(max_grad_norm).clamp(min=1.0) if max_grad_norm > 0 else torch.ones_like(norm)
-    taken = step + 1
-    for p, g, m, v, copy, (group, decay, beta1, beta2, eps) in zip(params, grads, exp_avgs, exp_avg_sqs, copies,
-                                                                  hyper, strict=True):
-        lr = lrs[group]
+def adamw_chunk(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], copies: list[torch.Tensor] | None, taken: torch.Tensor,
+                lr: torch.Tensor, divisor: torch.Tensor, keep: torch.Tensor, decay: float, beta1: float,
+                beta2: float, eps: float) -> None:
+    """AdamW on one chunk of one param group, in place (1-D views). `taken`: the step being taken (1-based, a
+    0-dim fp32 tensor); `divisor`: clipping's (GradScaler's grad_scale); `keep`: False skips the step (found_inf);
+    `copies`: the compute-dtype tensors the model computes with, written from the updated masters."""
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         g = g.float() / divisor
         # in the order of torch's fused CUDA kernel (fused_adam_utils.cuh, ADAMW)
         m_new = beta1 * m + (1 - beta1) * g
@@ -45,47 +44,70 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
         p.copy_(p_new)
         m.copy_(m_new)
         v.copy_(v_new)
-        if copy is not None:
-            copy.copy_(p_new)
-    step.add_(keep.float())
-    return norm
+        if copies is not None:
+            copies[i].copy_(p_new)
 
 
 class CompiledAdamW:
-    """The update of `optimizer` (a torch.optim.AdamW whose state it reads and writes in torch's layout) through
-    adamw_update, compiled on first use. `pairs`: (trainable master, the compute-dtype copy the model uses or
-    None); each gradient is read from the master, else from the copy (kept in the compute dtype: one micro-batch)."""
+    """The update of `optimizer` (a torch.optim.AdamW whose state it reads and writes in torch's layout): the
+    gradient norm over every gradient (torch's multi-tensor norm), then adamw_chunk, compiled on first use, over
+    chunks of each param group. `copies`: id(master) -> the compute-dtype tensor the model computes with (absent
+    where it computes with the master); each gradient is read from the master, else from the copy (kept in the
+    compute dtype: one micro-batch a step)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, copies: dict[int, torch.Tensor]) -> None:
-        self.optimizer, self.copies = optimizer, copies  # copies: id(master) -> its compute copy
+        self.optimizer, self.copies = optimizer, copies
         self.compiled: Any = None
 
+    @torch.no_grad()
     def step(self, max_grad_norm: float, skip_nonfinite: bool) -> torch.Tensor | None:
-        """Queue the update; the gradient norm (None where no master has a gradient: nothing to update)."""
-        params, grads, hyper, lrs = [], [], [], []
-        for index, group in enumerate(self.optimizer.param_groups):
-            lrs.append(float(group["lr"]))
-            for p in group["params"]:
-                grad = self._grad(p)
-                if grad is None:
-                    continue
-                params.append(p)
-                grads.append(grad)
-                hyper.append((index, float(group["weight_decay"]), *map(float, group["betas"]), float(group["eps"])))
-        if not params:
+        """Queue the update; the gradient norm before clipping (None where no master has a gradient)."""
+        groups = [(group, [(p, g) for p in group["params"] if (g := self._grad(p)) is not None])
+                  for group in self.optimizer.param_groups]
+        grads = [g for _, pairs in groups for _, g in pairs]
+        if not grads:
             return None
-        device = params[0].device
-        step = self._step_tensor(params, device)
-        states = [self._state(p, step) for p in params]
+        device = grads[0].device
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+        keep = torch.isfinite(norm) if skip_nonfinite else torch.ones((), dtype=torch.bool, device=device)
+        divisor = (norm + 1e-6).div(max_grad_norm).clamp(min=1.0) if max_grad_norm > 0 else torch.ones_like(norm)
+        step = self._step_tensor([p for _, pairs in groups for p, _ in pairs], device)
+        taken = step + 1
+        lrs = self._lrs([group["lr"] for group, _ in groups], device)
         if self.compiled is None:
-            self.compiled = torch.compile(adamw_update, fullgraph=True, dynamic=False)
-        lr_host = torch.tensor(lrs, dtype=torch.float32)
-        lr = lr_host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else lr_host.to(device)
-        with torch.no_grad():
-            norm = self.compiled(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                                 [self.copies.get(id(p)) for p in params], step, lr, tuple(hyper),
-                                 max_grad_norm, skip_nonfinite)
+            self.compiled = torch.compile(adamw_chunk, fullgraph=True, dynamic=True)
+        for index, (group, pairs) in enumerate(groups):
+            hyper = (float(group["weight_decay"]), *map(float, group["betas"]), float(group["eps"]))
+            for chunk in self._chunks(pairs):
+                states = [self._state(p, step) for p, _ in chunk]
+                copies = [self.copies[id(p)].view(-1) for p, _ in chunk] if id(chunk[0][0]) in self.copies else None
+                # a few graphs of one function by design; each tensor's size its own symbol, so chunks whose sizes
+                # repeat differently (duck sizing) share a graph
+                with torch._dynamo.config.patch(recompile_limit=64), fx_config.patch(use_duck_shape=False):
+                    self.compiled([p.view(-1) for p, _ in chunk], [g.reshape(-1) for _, g in chunk],
+                                  [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
+                                  copies, taken, lrs[index], divisor, keep, *hyper)
+        step.add_(keep.float())
         return norm
+
+    def _chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Runs of up to CHUNK parameters alike in what the compiled graph specialises on: whether the model
+        computes with a copy, and the gradient's dtype."""
+        chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for p, g in pairs:
+            kind = (id(p) in self.copies, g.dtype)
+            last = chunks[-1] if chunks else None
+            if last and len(last) < CHUNK and (id(last[0][0]) in self.copies, last[0][1].dtype) == kind:
+                last.append((p, g))
+            else:
+                chunks.append([(p, g)])
+        return chunks
+
+    @staticmethod
+    def _lrs(lrs: list[float], device: torch.device) -> torch.Tensor:
+        """The groups' learning rates on the device, copied without the host waiting for the GPU's queue."""
+        host = torch.tensor([float(lr) for lr in lrs], dtype=torch.float32)
+        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
     def _grad(self, master: torch.Tensor) -> torch.Tensor | None:
         if master.grad is not None:
@@ -119,4 +141,3 @@ class CompiledAdamW:
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] = step
         return state
-

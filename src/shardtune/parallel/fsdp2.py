@@ -153,7 +153,7 @@ def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
     if p.strategy == "ddp":
         return "torch DDP (replicated)"
     if runs_direct(cfg, world):
-        update = "; one compiled update (optim.fused: compiled)" if cfg.optim.fused == "compiled" else ""
+        update = "; the compiled update (optim.fused: compiled)" if cfg.optim.fused == "compiled" else ""
         return ("one process without FSDP2: compute-dtype weights in the model, fp32 masters in the optimizer "
                 f"(parallel.one_gpu: direct){update}")
     if p.strategy == "hsdp":

@@ -316,7 +316,7 @@ class FSDP2Backend:
         return norm
 
     def _update_compiled(self) -> torch.Tensor:
-        """optim.fused: compiled: the whole update queued as one compiled function; the skip flag, as in
+        """optim.fused: compiled: the whole update queued as compiled code (compiled_adamw); the skip flag, as in
         _update_in_fused_adamw, goes to pinned memory and is read once the next step's kernels are queued."""
         norm = self.compiled_update.step(self.max_grad_norm, self.skip_nonfinite)
         self.compiled_update.zero_grad()
