@@ -299,3 +299,26 @@ def test_the_compiled_update_trains_as_fused_adamw_on_the_gpu(tmp_path):
     # the bound of test_direct_trains_peft_as_fsdp2_on_one_gpu, two rounding orders of one update at this lr
     assert max(abs(a / b - 1) for a, b in zip(losses["compiled"], losses["true"], strict=True)) < 2e-2, losses
     assert losses["compiled"][-1] < losses["compiled"][0]
+
+
+def test_the_host_embedding_lookup_does_not_wait_for_the_gpu():
+    """peft.offload_embedding: handed the host's ids, the lookup gathers on the host into pinned memory and queues
+    the copy behind the GPU's work: the host is back while the GPU still sleeps, and the rows arrive."""
+    from torch import nn
+
+    from shardtune.parallel.host_embedding import HostEmbedding
+
+    table = nn.Embedding(1000, 64).requires_grad_(False)
+    host = HostEmbedding(table, torch.device("cuda"))
+    ids = torch.randint(0, 1000, (2, 128))
+    host.ids = ids
+    host(ids.cuda())  # the pinned blocks, allocated once (an allocation may synchronize)
+    gpu_ids = ids.cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead
+    busy = torch.cuda.Event()
+    busy.record()
+    host.ids = ids
+    rows = host(gpu_ids)
+    assert not busy.query() and host.waited == 0
+    assert rows.is_cuda and torch.equal(rows.cpu(), table(ids))

@@ -112,10 +112,14 @@ def test_a_packed_batch_moves_whole_and_pins_only_for_a_gpu(monkeypatch):
     moved = to_device(b, torch.device("cpu"))
     for name in ("input_ids", "attention_mask", "labels", "position_ids", "document_ids"):
         assert getattr(moved, name).equal(getattr(b, name)), name
-    pinned = []
+    assert moved.host_input_ids is b.input_ids  # the host's ids, for a lookup there (peft.offload_embedding)
+    pinned, copies = [], []
     monkeypatch.setattr(Batch, "pin_memory", lambda self: pinned.append(self) or self)
-    monkeypatch.setattr(Batch, "to", lambda self, device, non_blocking=False: (device, non_blocking))
-    assert to_device(b, torch.device("cuda", 0)) == (torch.device("cuda", 0), True) and pinned == [b]
+    monkeypatch.setattr(Batch, "to", lambda self, device, non_blocking=False: copies.append((device, non_blocking))
+                        or self)
+    moved = to_device(b, torch.device("cuda", 0))
+    assert copies == [(torch.device("cuda", 0), True)] and pinned == [b]
+    assert moved.host_input_ids is b.input_ids  # the pinned copy (here the batch itself)
 
 
 def test_num_target_tokens_ignores_position_zero():

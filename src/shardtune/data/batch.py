@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,9 @@ class Batch:
     labels: torch.Tensor
     position_ids: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
+    # input_ids as they were on the host, kept by to_device: a lookup on the host (peft.offload_embedding) reads
+    # them without waiting for the GPU
+    host_input_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """A copy with every tensor on ``device``."""
@@ -80,8 +84,9 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     so the GPU's queue would drain at each micro-batch; from pinned memory it is queued behind them and the host
     goes on (torch's pinned allocator keeps the block until the copy has run)."""
     if device.type != "cuda":
-        return batch.to(device)
-    return batch.pin_memory().to(device, non_blocking=True)
+        return dataclasses.replace(batch.to(device), host_input_ids=batch.input_ids)
+    pinned = batch.pin_memory()
+    return dataclasses.replace(pinned.to(device, non_blocking=True), host_input_ids=pinned.input_ids)
 
 
 def blank_rows(n: int, seq_len: int, pad_id: int,

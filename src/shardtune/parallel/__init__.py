@@ -10,7 +10,7 @@ The rules (this module, spec.py, fsdp2.py, deepspeed.py, ds_config.py) import ne
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import deepspeed, fsdp2
@@ -134,6 +134,17 @@ def cudagraphs_rule_out_checkpointing(p: ParallelConfig) -> bool:
     run one with these settings (the checkpoint around the compiled blocks)."""
     return uses_cudagraphs(p) and not traces_checkpoint(p.compile, "full", p.checkpoint_in_compile,
                                                         p.activation_offload)
+
+
+TIED_EMBEDDING = ("peft.offload_embedding: this model ties its input embedding to the LM head (tie_word_embeddings), "
+                  "which computes on the GPU; set peft.offload_embedding=false")
+
+
+def check_offload_embedding(cfg: Config, hf_config: Any) -> None:
+    """peft.offload_embedding needs an input embedding of its own (not the LM head's): refused before launch from
+    the model's config (parallel/host_embedding.py checks the module itself too)."""
+    if cfg.peft.offload_embedding and getattr(hf_config, "tie_word_embeddings", False):
+        raise ShardtuneError(TIED_EMBEDDING)
 
 
 def check_optimizer_update(cfg: Config, world: int) -> None:

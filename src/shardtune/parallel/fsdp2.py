@@ -103,6 +103,12 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
                              "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
                              "(foreach AdamW then), or train.precision=bf16")
     check_compiled_update(cfg, world)
+    if cfg.peft.offload_embedding and (
+            cfg.peft.method == "none" or p.strategy in ("ddp", "hsdp") or p.one_gpu == "fsdp2"
+            or (world is not None and (world > 1 or (p.strategy != "auto" and not runs_direct(cfg, world))))):
+        raise ShardtuneError("peft.offload_embedding keeps a frozen input embedding on the host on the one-GPU "
+                             "direct path (LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, "
+                             "parallel.one_gpu auto or direct); set peft.offload_embedding=false")
     if cfg.deepspeed:
         raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
@@ -174,7 +180,8 @@ def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
     from shardtune.parallel.fsdp2_engine import FSDP2Backend
 
     return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx, loss, cfg.optim.max_grad_norm,
-                        direct=runs_direct(cfg, ctx.world), compiled_update=cfg.optim.fused == "compiled")
+                        direct=runs_direct(cfg, ctx.world), compiled_update=cfg.optim.fused == "compiled",
+                        offload_embedding=cfg.peft.offload_embedding)
 
 
 def keeps_float8_base(parallel: ParallelConfig, world: int) -> bool:

@@ -27,6 +27,7 @@ from shardtune.models.weights import WeightSource, load_weights
 from shardtune.parallel.base import DTYPES, LossFn, OptimizerFactory
 from shardtune.parallel.compiled_adamw import CompiledAdamW
 from shardtune.parallel.fsdp2 import frozen_whole, hsdp_shard_size, uses_sharded_scaler
+from shardtune.parallel.host_embedding import HostEmbedding, offload_embedding
 from shardtune.parallel.prepare import ActivationOffload, checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
 
@@ -53,7 +54,8 @@ def _without_frozen_aliases(module: nn.Module, model_sd: dict[str, Any]) -> dict
 
 class FSDP2Backend:
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, loss: LossFn,
-                 max_grad_norm: float, *, direct: bool = False, compiled_update: bool = False) -> None:
+                 max_grad_norm: float, *, direct: bool = False, compiled_update: bool = False,
+                 offload_embedding: bool = False) -> None:
         self.parallel, self.precision, self.ctx = parallel, precision, ctx
         self.direct = direct  # zero2 / zero3 on one process without FSDP2 (fsdp2.runs_direct)
         # optim.fused: compiled (direct only): norm, clip, skip, AdamW and the cast to the compute copies in one
@@ -62,6 +64,8 @@ class FSDP2Backend:
         self.compiled_update: CompiledAdamW | None = None
         self.wants_compiled_update = compiled_update
         self.micro_batches = 0  # micro-batches run since the last step
+        self.wants_host_embedding = offload_embedding  # peft.offload_embedding (direct only: validate refuses others)
+        self.host_embedding: HostEmbedding | None = None
         self.grads_stay = False  # this micro-batch's gradients stay in the compute dtype (the compiled update's)
         self.loss, self.max_grad_norm = loss, max_grad_norm
         self.skip_nonfinite = True  # the loop sets train.skip_nonfinite
@@ -156,6 +160,8 @@ class FSDP2Backend:
         of the 1B shape on one H200: ~24 ms of a 155 ms step in copies, bench/RESULTS.md 2026-12-04)."""
         load_weights(model, weights, self.ctx.device)
         self.module = self.model = model
+        if self.wants_host_embedding:
+            self.host_embedding = offload_embedding(model, self.ctx.device)
         cast_adapters_in_forward(model, self.compute_dtype)
         seen: dict[int, nn.Parameter] = {}
         for owner in model.modules():
@@ -232,13 +238,18 @@ class FSDP2Backend:
         # Unpacked rows are right-padded and padding carries no loss, so causal attention alone is exact
         # for every loss-carrying position: input_ids only keeps SDPA on its fast causal kernel. Packed
         # rows get position_ids and a document-causal mask, built once here, outside the blocks.
-        inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
+        inputs = self._inputs(batch)
         with self._autocast():
             out = self.model(**inputs, use_cache=False)
         return out.logits
 
+    def _inputs(self, batch: Batch) -> dict[str, Any]:
+        if self.host_embedding is not None:  # the lookup on the host reads the batch's host copy of the ids
+            self.host_embedding.ids = batch.host_input_ids
+        return model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
+
     def _fused_loss(self, batch: Batch) -> torch.Tensor:
-        inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
+        inputs = self._inputs(batch)
         with self._autocast():
             return self.model(**inputs, labels=batch.labels, use_cache=False).loss
 

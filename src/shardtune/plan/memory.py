@@ -267,6 +267,8 @@ def model_states(m: ModelShape, s: Setting) -> dict[str, float]:
         frozen = (m.target_params * FLOAT8_BYTES + (m.params - m.target_params) * s.frozen_bytes) / local
     else:
         frozen = m.params * s.frozen_bytes / local
+    if s.embedding_on_host(m):  # peft.offload_embedding: the table on the host (host_memory)
+        frozen -= m.embed_params * s.frozen_bytes / local
     special = s.rules.model_states(m, s)  # DeepSpeed's full fine-tuning keeps compute-dtype weights + masters
     if special is not None:
         return special
@@ -372,6 +374,8 @@ def host_memory(m: ModelShape, s: Setting, states: dict[str, float], offloaded: 
         trainable = m.params if s.peft == "none" else m.lora_params
         moved += (s.compute_bytes + 4.0) * trainable / s.world * s.per_node
         host["offload"] = min(moved, 2 * 5e8 * 4 * s.per_node) if s.nvme else moved
+    if s.embedding_on_host(m):  # peft.offload_embedding's table, pageable, in each process
+        host["embedding"] = m.embed_params * s.frozen_bytes * s.per_node
     if s.activation_offload:  # pinned copies of one micro-batch's
         host["activations"] = (offloaded_activations(m, s) + final_norm_bytes(m, s)) * s.per_node
     if s.async_checkpoint:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardtune.plan.shape import ModelShape
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -33,6 +36,7 @@ class Setting:
     dora: bool = False  # peft.use_dora
     optim: str = "adamw"
     compiled_update: bool = False  # optim.fused: compiled (update_compiled: whether it applies here)
+    offload_embedding: bool = False  # peft.offload_embedding (embedding_on_host: whether it applies here)
     attn: str = "sdpa"
     packing: bool = False
     async_checkpoint: bool = False
@@ -105,6 +109,11 @@ class Setting:
         """The direct path's compiled update runs (optim.fused: compiled; parallel/compiled_adamw.py)."""
         return self.compiled_update and self.optim == "adamw" and self.one_gpu_direct
 
+    def embedding_on_host(self, m: ModelShape) -> bool:
+        """The frozen input embedding is kept on the host (peft.offload_embedding: PEFT on the one-GPU direct
+        path, an embedding not tied to the LM head)."""
+        return self.offload_embedding and self.peft != "none" and self.one_gpu_direct and m.head_params > 0
+
     @property
     def gradient_bytes(self) -> int:
         """Bytes each trainable parameter's gradient holds until the update: fp32, except under the compiled update
@@ -160,7 +169,8 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
-        compiled_update=cfg.optim.fused == "compiled", attn=cfg.model.attn_implementation,
+        compiled_update=cfg.optim.fused == "compiled", offload_embedding=cfg.peft.offload_embedding,
+        attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),

@@ -251,6 +251,8 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     above this price on an H100 (call 76), with no run without offload in that call to say how much of the 8% is
     the copies; kept until one does (bench/RESULTS.md "Next GPU calls")."""
     activations = 2 * offloaded_activations(m, s) * s.grad_accum / hw.h2d_bytes_per_s
+    if s.embedding_on_host(m):  # peft.offload_embedding: each micro-batch's rows copied in, queued on the stream
+        activations += s.tokens * m.hidden * s.frozen_bytes * s.grad_accum / hw.h2d_bytes_per_s
     if s.offload == "none":
         return activations
     trainable = m.params if s.peft == "none" else m.lora_params

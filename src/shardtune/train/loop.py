@@ -931,7 +931,7 @@ def evaluate(backend: Backend, data: DataBundle, cfg: Config, ctx: DistContext,
     for i in range(n):
         # Same shape on every rank and step (no recompiles); a rank whose share ran out still joins
         # the forward pass with all-padding rows that carry no loss.
-        batch = data.eval_batch(lists[i], t.micro_batch_size).to(ctx.device)
+        batch = to_device(data.eval_batch(lists[i], t.micro_batch_size), ctx.device)
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         logits = backend.forward(batch)  # every rank runs the same number of forwards (FSDP collectives)

@@ -1,0 +1,111 @@
+"""peft.offload_embedding: LoRA / QLoRA's frozen input embedding kept on the host and looked up there, from the
+host copy of the batch's token ids. The same training as with the table on the device, the planner's memory and
+time for it, and one-line refusals where it cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ROOT
+from safetensors.torch import load_file, save_file
+
+from shardtune.config import load_config
+from shardtune.errors import ShardtuneError
+
+TINY = str(ROOT / "examples" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """tiny-llama with its own LM head (the presets tie theirs, as Llama-3.2-1B does; 8B and 70B do not)."""
+    from conftest import run_cli
+
+    folder = tmp_path_factory.mktemp("untied") / "model"
+    assert run_cli("init-model", str(folder), "--preset", "tiny-llama", "--seed", "1").returncode == 0
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].flip(0).clone()  # not the embedding's
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def _losses(cli, out, model, *extra: str) -> list[float]:
+    proc = cli("train", TINY, f"model.path={model}", "model.preset=null", "train.precision=bf16",
+               "parallel.strategy=zero2", "parallel.one_gpu=direct", "train.max_steps=4", "log.every=1",
+               "train.lr=0.003", "train.eval_every=2", "train.eval_batches=2", "--nproc", "1", "--output-dir",
+               str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r.get("loss", r.get("eval_loss")) for r in records if "loss" in r or "eval_loss" in r]  # both
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_the_embedding_on_the_host_trains_as_on_the_device(cli, untied, tmp_path, method) -> None:
+    peft = [f"peft.method={method}", "peft.r=4"]
+    on_device = _losses(cli, tmp_path / "device", untied, *peft)
+    on_host = _losses(cli, tmp_path / "host", untied, *peft, "peft.offload_embedding=true")
+    assert len(on_host) == len(on_device) >= 6  # 4 steps and 2 evaluations
+    assert on_host == pytest.approx(on_device, rel=1e-6, abs=1e-7)
+    # the adapters it saved are the trained ones, loadable as usual
+    adapter = load_file(str(tmp_path / "host" / "adapter" / "adapter_model.safetensors"))
+    assert adapter and not any("embed_tokens" in k for k in adapter)
+
+
+def test_a_lookup_reads_the_hosts_ids_and_lands_on_the_device() -> None:
+    from torch import nn
+
+    from shardtune.parallel.host_embedding import HostEmbedding
+
+    table = nn.Embedding(50, 8).requires_grad_(False)
+    want = table(torch.tensor([[3, 7, 7, 1]]))
+    host = HostEmbedding(table, torch.device("cpu"))
+    host.ids = torch.tensor([[3, 7, 7, 1]])
+    # handed the host's ids, it does not read the ids it is called with (on a GPU: no copy back, no wait)
+    torch.testing.assert_close(host(torch.full((1, 4), 49)), want)
+    assert host.ids is None and host.waited == 0
+    torch.testing.assert_close(host(torch.tensor([[3, 7, 7, 1]])), want)  # without: the ids it is given
+
+
+def test_refused_in_one_line_where_it_cannot_run(cli, tmp_path) -> None:
+    from shardtune.parallel import check_combination
+
+    for overrides, match in (
+            (["peft.method=none"], "peft.offload_embedding keeps a frozen input embedding"),
+            (["peft.method=lora", "parallel.one_gpu=fsdp2"], "peft.offload_embedding keeps a frozen input embedding"),
+            (["peft.method=lora", "parallel.strategy=ddp"], "peft.offload_embedding keeps a frozen input embedding"),
+            (["peft.method=lora", "parallel.backend=deepspeed"], "peft.offload_embedding is the FSDP2 backend's")):
+        cfg = load_config(TINY, ["train.precision=bf16", "peft.offload_embedding=true", *overrides])
+        with pytest.raises(ShardtuneError, match=match) as err:
+            check_combination(cfg)
+        assert "\n" not in str(err.value)
+    # the tiny preset ties its embedding to the LM head: refused when the model is built, in one line
+    proc = cli("train", TINY, "peft.method=lora", "train.precision=bf16", "peft.offload_embedding=true",
+               "parallel.strategy=zero2", "train.max_steps=1", "--nproc", "1", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "peft.offload_embedding: this model ties its input embedding to the LM head" in proc.stderr
+
+
+def test_the_planner_moves_the_table_to_the_host_and_prices_the_rows_copied_in() -> None:
+    from shardtune.models.presets import preset_config
+    from shardtune.plan.hardware import lookup
+    from shardtune.plan.memory import gpu_memory
+    from shardtune.plan.setting import setting_from_config
+    from shardtune.plan.shape import model_shape
+    from shardtune.plan.speed import step_time
+
+    h100 = lookup("h100")
+    for preset, untied in (("llama-3-8b", True), ("llama-3.2-1b", False)):
+        shape = model_shape(preset_config(preset))
+        runs = [setting_from_config(load_config(TINY, ["peft.method=lora", "train.precision=bf16",
+                                                       "parallel.strategy=zero2", "train.seq_len=2048",
+                                                       "train.micro_batch_size=2", *extra]), 1, 1)
+                for extra in ([], ["peft.offload_embedding=true"])]
+        device, host = (gpu_memory(shape, s) for s in runs)
+        table = shape.embed_params * 2  # bf16
+        assert device.allocated - host.allocated == pytest.approx(table if untied else 0.0)
+        assert host.host.get("embedding", 0.0) == (table if untied else 0.0)
+        slower = step_time(shape, runs[1], h100).seconds - step_time(shape, runs[0], h100).seconds
+        assert slower == pytest.approx(4096 * shape.hidden * 2 / h100.h2d_bytes_per_s if untied else 0.0)
