@@ -16,6 +16,10 @@ from torch import nn
 
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import TIED_EMBEDDING
+from shardtune.parallel.prepare import power_of_two_pieces
+
+# The smallest piece of rows looked up and copied in at once (below it, one piece for the rest).
+PIECE_ROWS = 1024
 
 
 class HostEmbedding:
@@ -33,11 +37,18 @@ class HostEmbedding:
         if ids is None or ids.shape != input_ids.shape:
             ids = input_ids.cpu()
             self.waited += input_ids.device.type != "cpu"
-        weight = self.module.weight
-        rows = torch.empty((ids.numel(), weight.shape[1]), dtype=weight.dtype, pin_memory=self.device.type == "cuda")
-        with torch.no_grad():  # a frozen table (offload_embedding refuses one that trains)
-            torch.index_select(weight, 0, ids.reshape(-1), out=rows)
-        return rows.view(*ids.shape, weight.shape[1]).to(self.device, non_blocking=True)
+        weight, flat = self.module.weight, ids.reshape(-1)
+        out = torch.empty((flat.numel(), weight.shape[1]), dtype=weight.dtype, device=self.device)
+        start = 0
+        # in power-of-two pieces of rows: torch's pinned allocator rounds each block up to a power of two (327,680
+        # tokens of the 8B shape would hold 4 GiB for 2.5)
+        for count in power_of_two_pieces(flat.numel(), PIECE_ROWS):
+            rows = torch.empty((count, weight.shape[1]), dtype=weight.dtype, pin_memory=self.device.type == "cuda")
+            with torch.no_grad():  # a frozen table (offload_embedding refuses one that trains)
+                torch.index_select(weight, 0, flat[start:start + count], out=rows)
+            out[start:start + count].copy_(rows, non_blocking=True)
+            start += count
+        return out.view(*ids.shape, weight.shape[1])
 
 
 def offload_embedding(model: nn.Module, device: torch.device) -> HostEmbedding:
