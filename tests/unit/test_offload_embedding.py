@@ -81,7 +81,12 @@ def test_refused_in_one_line_where_it_cannot_run(cli, tmp_path) -> None:
         with pytest.raises(ShardtuneError, match=match) as err:
             check_combination(cfg)
         assert "\n" not in str(err.value)
-    # the tiny preset ties its embedding to the LM head: refused when the model is built, in one line
+    # two processes under parallel.strategy: auto: that refusal, not the planner's "nothing fits"
+    proc = cli("train", TINY, "peft.method=lora", "train.precision=bf16", "peft.offload_embedding=true",
+               "parallel.strategy=auto", "--nproc", "2", "--output-dir", str(tmp_path / "two"))
+    assert proc.returncode == 2 and "peft.offload_embedding keeps a frozen input embedding" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # the tiny preset ties its embedding to the LM head: refused before launch, in one line
     proc = cli("train", TINY, "peft.method=lora", "train.precision=bf16", "peft.offload_embedding=true",
                "parallel.strategy=zero2", "train.max_steps=1", "--nproc", "1", "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -147,11 +147,11 @@ def check_offload_embedding(cfg: Config, hf_config: Any) -> None:
         raise ShardtuneError(TIED_EMBEDDING)
 
 
-def check_optimizer_update(cfg: Config, world: int) -> None:
-    """optim.fused's refusals that hold whatever `parallel.strategy: auto` would pick (the planner's "nothing fits"
-    names them instead): the compiled update on more than one process."""
+def check_direct_only(cfg: Config, world: int) -> None:
+    """Refusals that hold whatever `parallel.strategy: auto` would pick (the planner's "nothing fits" names them
+    instead): what only FSDP2's one-GPU direct path runs, asked for on more than one process."""
     if cfg.parallel.backend == "fsdp2":
-        fsdp2.check_compiled_update(cfg, world)
+        fsdp2.check_direct_only(cfg, world)
 
 
 def check_cudagraphs(p: ParallelConfig) -> None:

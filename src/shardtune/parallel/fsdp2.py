@@ -102,13 +102,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("optim.fused: true cannot run with train.precision=fp16 under FSDP2 sharding (fused "
                              "AdamW fails on the sharded gradient scaler's overflow flag); set optim.fused=auto "
                              "(foreach AdamW then), or train.precision=bf16")
-    check_compiled_update(cfg, world)
-    if cfg.peft.offload_embedding and (
-            cfg.peft.method == "none" or p.strategy in ("ddp", "hsdp") or p.one_gpu == "fsdp2"
-            or (world is not None and (world > 1 or (p.strategy != "auto" and not runs_direct(cfg, world))))):
-        raise ShardtuneError("peft.offload_embedding keeps a frozen input embedding on the host on the one-GPU "
-                             "direct path (LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, "
-                             "parallel.one_gpu auto or direct); set peft.offload_embedding=false")
+    check_direct_only(cfg, world)
     if cfg.deepspeed:
         raise ShardtuneError(f"deepspeed: the section is set ({', '.join(cfg.deepspeed)}) but parallel.backend is "
                              "fsdp2, which does not read it; set parallel.backend=deepspeed, or remove the section")
@@ -139,17 +133,27 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
                              "parallel.activation_checkpointing=full, or parallel.compile=false")
 
 
-def check_compiled_update(cfg: Config, world: int | None) -> None:
-    """optim.fused: compiled runs on the one-GPU direct path only (`world`: every process of the job, when known;
-    with more than one it is refused whatever strategy `auto` would pick)."""
+def may_run_direct(cfg: Config, world: int | None) -> bool:
+    """Whether the run can land on the one-GPU direct path (`world`: every process of the job, when known; with
+    `parallel.strategy: auto` on one process, the planner's pick decides, and its candidates are checked again)."""
     p = cfg.parallel
-    if cfg.optim.fused == "compiled" and (
-            cfg.optim.name != "adamw" or cfg.train.precision == "fp16" or p.strategy in ("ddp", "hsdp")
-            or p.one_gpu == "fsdp2"
-            or (world is not None and (world > 1 or (p.strategy != "auto" and not runs_direct(cfg, world))))):
+    if p.strategy in ("ddp", "hsdp") or p.one_gpu == "fsdp2":
+        return False
+    return world is None or (world == 1 and (p.strategy == "auto" or runs_direct(cfg, world)))
+
+
+def check_direct_only(cfg: Config, world: int | None) -> None:
+    """The settings only the one-GPU direct path runs: optim.fused: compiled (its update) and
+    peft.offload_embedding (a frozen table on the host), refused in one line elsewhere."""
+    if cfg.optim.fused == "compiled" and (cfg.optim.name != "adamw" or cfg.train.precision == "fp16"
+                                          or not may_run_direct(cfg, world)):
         raise ShardtuneError("optim.fused: compiled is the update of the one-GPU direct path (one process, "
                              "parallel.strategy zero2 / zero3, parallel.one_gpu auto or direct, AdamW, bf16 or fp32; "
                              "`shardtune plan` says whether a run takes it); set optim.fused=auto")
+    if cfg.peft.offload_embedding and (cfg.peft.method == "none" or not may_run_direct(cfg, world)):
+        raise ShardtuneError("peft.offload_embedding keeps a frozen input embedding on the host on the one-GPU "
+                             "direct path (LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, "
+                             "parallel.one_gpu auto or direct); set peft.offload_embedding=false")
 
 
 def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:

@@ -367,10 +367,10 @@ def resolve_auto(cfg: Any, hf_config: Any, hardware: Any, *, world: int, per_nod
     hw = hardware or cpu_hardware(per_node)
     plan = make_plan(cfg, hf_config, hw, world=world, per_node=per_node)
     if plan.auto and plan.pick is None and not force:
-        from shardtune.parallel import check_cudagraphs, check_optimizer_update, cudagraphs_rule_out_checkpointing
+        from shardtune.parallel import check_cudagraphs, check_direct_only, cudagraphs_rule_out_checkpointing
 
         check_cudagraphs(cfg.parallel)  # checkpointing set with CUDA graphs: that refusal, not "nothing fits"
-        check_optimizer_update(cfg, world)  # the compiled update on several processes: that refusal too
+        check_direct_only(cfg, world)  # what only one GPU runs, on several processes: that refusal too
         graphs = cudagraphs_rule_out_checkpointing(cfg.parallel)
         raise ShardtuneError(f"{', '.join(plan.auto)}: auto, but no way to run this config fits on {hw.name} "
                              f"({hw.memory_bytes / GIB:.0f} GiB per GPU)"
