@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtune.config import ParallelConfig, PeftConfig
-from shardtune.parallel.fsdp2_engine import cast_adapters_in_forward
+from shardtune.parallel.direct_engine import cast_adapters_in_forward
 from shardtune.parallel.prepare import checkpoint_and_compile
 from shardtune.peft.lora import apply_lora, cast_frozen
 

@@ -63,7 +63,9 @@ def test_the_direct_fused_update_leaves_its_skip_flag_for_the_loop_to_read(ctx):
     scale = [1.0]
     backend = make_backend(cfg, ctx, lambda logits, labels: scale[0] * token_loss_sum(logits, labels))
     backend.setup(built.model, built.blocks, built.source, OptimizerFactory(OptimConfig(), 1e-3))
-    assert backend.direct and backend.optimizer.defaults.get("fused")
+    from shardtune.parallel.direct_engine import DirectBackend
+
+    assert isinstance(backend, DirectBackend) and backend.optimizer.defaults.get("fused")
     flags = []
     for s in (1.0, float("nan")):
         scale[0] = s

@@ -12,7 +12,7 @@ from torch import nn
 from shardtune.config import PeftConfig
 from shardtune.dist import HostCopy
 from shardtune.models.presets import preset_config
-from shardtune.parallel.fsdp2_engine import CastLinear, cast_adapters_in_forward
+from shardtune.parallel.direct_engine import CastLinear, cast_adapters_in_forward
 from shardtune.peft.lora import apply_lora
 
 

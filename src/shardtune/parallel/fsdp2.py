@@ -6,7 +6,7 @@
   ddp:   full replicas with torch DDP (gradient all-reduce); autocast for mixed precision.
 
 This module holds what the backend runs and refuses, free of torch (`plan` reads it on a login node); the
-backend object a run drives is fsdp2_engine.py.
+backend object a run drives is fsdp2_engine.py (direct_engine.py on the one-GPU direct path).
 """
 
 from __future__ import annotations
@@ -183,9 +183,13 @@ def param_shards(parallel: ParallelConfig, world: int) -> int:
 def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
     from shardtune.parallel.fsdp2_engine import FSDP2Backend
 
-    return FSDP2Backend(cfg.parallel, cfg.train.precision, ctx, loss, cfg.optim.max_grad_norm,
-                        direct=runs_direct(cfg, ctx.world), compiled_update=cfg.optim.fused == "compiled",
-                        offload_embedding=cfg.peft.offload_embedding)
+    args = (cfg.parallel, cfg.train.precision, ctx, loss, cfg.optim.max_grad_norm)
+    if not runs_direct(cfg, ctx.world):
+        return FSDP2Backend(*args)
+    from shardtune.parallel.direct_engine import DirectBackend
+
+    return DirectBackend(*args, compiled_update=cfg.optim.fused == "compiled",
+                         offload_embedding=cfg.peft.offload_embedding)
 
 
 def keeps_float8_base(parallel: ParallelConfig, world: int) -> bool:

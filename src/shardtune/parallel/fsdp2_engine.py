@@ -25,9 +25,7 @@ from shardtune.fileio import jsonable
 from shardtune.models.attention import attn_implementation, model_inputs
 from shardtune.models.weights import WeightSource, load_weights
 from shardtune.parallel.base import DTYPES, LossFn, OptimizerFactory
-from shardtune.parallel.compiled_adamw import CompiledAdamW
 from shardtune.parallel.fsdp2 import frozen_whole, hsdp_shard_size, uses_sharded_scaler
-from shardtune.parallel.host_embedding import HostEmbedding, offload_embedding
 from shardtune.parallel.prepare import ActivationOffload, checkpoint_and_compile
 from shardtune.peft.qlora import is_nf4
 
@@ -54,23 +52,12 @@ def _without_frozen_aliases(module: nn.Module, model_sd: dict[str, Any]) -> dict
 
 class FSDP2Backend:
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, loss: LossFn,
-                 max_grad_norm: float, *, direct: bool = False, compiled_update: bool = False,
-                 offload_embedding: bool = False) -> None:
+                 max_grad_norm: float) -> None:
         self.parallel, self.precision, self.ctx = parallel, precision, ctx
-        self.direct = direct  # zero2 / zero3 on one process without FSDP2 (fsdp2.runs_direct)
-        # optim.fused: compiled (direct only): norm, clip, skip, AdamW and the cast to the compute copies in one
-        # compiled update (parallel/compiled_adamw.py); a step's only micro-batch leaves its gradients in the
-        # compute dtype for it
-        self.compiled_update: CompiledAdamW | None = None
-        self.wants_compiled_update = compiled_update
-        self.micro_batches = 0  # micro-batches run since the last step
-        self.wants_host_embedding = offload_embedding  # peft.offload_embedding (direct only: validate refuses others)
-        self.host_embedding: HostEmbedding | None = None
-        self.grads_stay = False  # this micro-batch's gradients stay in the compute dtype (the compiled update's)
         self.loss, self.max_grad_norm = loss, max_grad_norm
         self.skip_nonfinite = True  # the loop sets train.skip_nonfinite
         self.step_skipped = False  # whether the last step() left the weights as they were (non-finite grads)
-        # ... or, when set, the flag that says so, still on its way from the GPU (the direct path's fused update)
+        # ... or, when set, the flag that says so, still on its way from the GPU (DirectBackend's update)
         self.skip_flag: HostCopy | None = None
         self.compute_dtype = DTYPES[precision]
         self.module: nn.Module = nn.Module()
@@ -81,37 +68,32 @@ class FSDP2Backend:
         # cross-entropy): inside the root forward, so FSDP2 has gathered the LM head for it.
         self.fused_loss = False
         self.activation_offload: ActivationOffload | None = None  # parallel.activation_offload's hooks
-        # parallel.one_gpu: direct — (owner module, attribute, compute-dtype parameter, fp32 master) per place a
-        # trainable weight sits (a tied weight sits in two); the optimizer holds the masters.
-        self.places: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
-        self.masters: dict[int, nn.Parameter] = {}  # id(compute parameter) -> its master
-        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (compute parameter, master), each once
         self.step_params: list[nn.Parameter] = []  # set up by setup()
-        self.update_in_kernel = False  # set up by setup()
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
               make_optimizer: OptimizerFactory) -> None:
         self.attn_implementation = attn_implementation(model)
         self.activation_offload = checkpoint_and_compile(model, blocks, self.parallel, self.ctx.device.type)
-        if self.parallel.strategy == "ddp":
-            self._setup_ddp(model, weights)
-        elif self.direct:
-            self._setup_direct(model, weights)
-        else:
-            self._setup_fsdp(model, blocks, weights)
-        # What the optimizer updates, and each step clips: the fp32 masters where the model computes with a copy.
-        self.step_params = [self.masters.get(id(p), p) for p in self.module.parameters()]
-        named = ((n, self.masters.get(id(p), p)) for n, p in self.module.named_parameters())
+        self._place(model, blocks, weights)
+        # What the optimizer updates, and each step clips (DirectBackend: the fp32 masters, not the model's copies).
+        self.step_params = [self._trained(p) for p in self.module.parameters()]
+        named = ((n, self._trained(p)) for n, p in self.module.named_parameters())
         self.optimizer = make_optimizer(named, self.ctx.device,
                                         sharded_fp16=uses_sharded_scaler(self.parallel, self.precision))
         if self.precision == "fp16":
             self.scaler = self._grad_scaler()
-        # The direct path's fused AdamW takes the clip and the non-finite skip into its kernel (decided once here,
-        # not every step).
-        self.update_in_kernel = self.direct and self.scaler is None and bool(self.optimizer.defaults.get("fused"))
-        if self.wants_compiled_update and self.direct and self.scaler is None:
-            self.compiled_update = CompiledAdamW(self.optimizer, {id(m): c for c, m in self.pairs})
+
+    def _place(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None) -> None:
+        """Load the weights and wrap the model as the strategy runs it (DDP, or FSDP2 per block)."""
+        if self.parallel.strategy == "ddp":
+            self._setup_ddp(model, weights)
+        else:
+            self._setup_fsdp(model, blocks, weights)
+
+    def _trained(self, param: nn.Parameter) -> nn.Parameter:
+        """The tensor the optimizer holds for a model parameter (itself; DirectBackend: its fp32 master)."""
+        return param
 
     def _setup_ddp(self, model: nn.Module, weights: WeightSource | None) -> None:
         load_weights(model, weights, self.ctx.device)
@@ -152,64 +134,6 @@ class FSDP2Backend:
         load_weights(model, weights, self.ctx.device)
         self.module = self.model = model
 
-    def _setup_direct(self, model: nn.Module, weights: WeightSource | None) -> None:
-        """parallel.one_gpu: direct on one process: no FSDP2. Each trainable weight stays as its fp32 master (the
-        optimizer's, the checkpoint's, the export's) and the model computes with a compute-dtype copy of it,
-        refreshed once per step; gradients are cast into the masters' fp32 gradients once per micro-batch. On a
-        mesh of one FSDP2 does the same arithmetic through its all-gather and reduce-scatter buffers (a profile
-        of the 1B shape on one H200: ~24 ms of a 155 ms step in copies, bench/RESULTS.md 2026-12-04)."""
-        load_weights(model, weights, self.ctx.device)
-        self.module = self.model = model
-        if self.wants_host_embedding:
-            self.host_embedding = offload_embedding(model, self.ctx.device)
-        cast_adapters_in_forward(model, self.compute_dtype)
-        seen: dict[int, nn.Parameter] = {}
-        for owner in model.modules():
-            for name, master in list(owner._parameters.items()):
-                if master is None or not master.requires_grad or master.dtype == self.compute_dtype:
-                    continue  # frozen, or already in the compute dtype (fp32 runs): used as it is
-                if isinstance(owner, CastLinear):
-                    continue  # an adapter's matrix: cast inside its forward
-                if id(master) not in seen:
-                    seen[id(master)] = nn.Parameter(master.detach().to(self.compute_dtype))
-                    # Each gradient goes to its master as soon as backward has made it, and is freed: at most a
-                    # few compute-dtype gradients are alive, as under FSDP2's per-block reduce-scatter.
-                    seen[id(master)].register_post_accumulate_grad_hook(self._gradient_to_master)
-                compute = seen[id(master)]
-                owner._parameters[name] = compute
-                self.places.append((owner, name, compute, master))
-                self.masters[id(compute)] = master
-        self.pairs = [(compute, self.masters[id(compute)]) for compute in seen.values()]
-
-    @contextlib.contextmanager
-    def _masters_in_place(self) -> Any:
-        """The fp32 masters in the model's attributes for a while (state dicts see what the optimizer holds)."""
-        for owner, name, _, master in self.places:
-            owner._parameters[name] = master
-        try:
-            yield
-        finally:
-            for owner, name, compute, _ in self.places:
-                owner._parameters[name] = compute
-
-    def _gradient_to_master(self, compute: torch.Tensor) -> None:
-        """A compute-dtype gradient into its master's fp32 one (summed over micro-batches in fp32, as FSDP2's
-        reduce_dtype does), then freed; under the compiled update a step's only micro-batch leaves it where it
-        is (the update reads it in the compute dtype)."""
-        master = self.masters[id(compute)]
-        if self.grads_stay and master.grad is None:
-            return
-        if master.grad is None:
-            master.grad = compute.grad.to(torch.float32)
-        else:
-            master.grad.add_(compute.grad)
-        compute.grad = None
-
-    @torch.no_grad()
-    def _masters_to_compute(self) -> None:
-        if self.pairs:
-            torch._foreach_copy_([c for c, _ in self.pairs], [m for _, m in self.pairs])  # the one cast per step
-
     def _mesh(self) -> Any:
         """1-D over all processes; hsdp: (replicate, shard), so a model copy is sharded over shard_size
         processes (one node by default) and gradients are reduce-scattered inside the group and
@@ -244,8 +168,6 @@ class FSDP2Backend:
         return out.logits
 
     def _inputs(self, batch: Batch) -> dict[str, Any]:
-        if self.host_embedding is not None:  # the lookup on the host reads the batch's host copy of the ids
-            self.host_embedding.ids = batch.host_input_ids
         return model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
 
     def _fused_loss(self, batch: Batch) -> torch.Tensor:
@@ -255,9 +177,6 @@ class FSDP2Backend:
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         no_sync = self.parallel.strategy == "ddp" and not sync_grads
-        # sync_grads: the step's last micro-batch; also its first, so its only one
-        self.grads_stay = self.compiled_update is not None and sync_grads and self.micro_batches == 0
-        self.micro_batches += 1
         with self.model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
             loss = (self._fused_loss(batch) if self.fused_loss else self.loss(self.forward(batch), batch.labels))
             loss = loss / normalizer
@@ -270,9 +189,6 @@ class FSDP2Backend:
         return loss.detach()
 
     def step(self) -> torch.Tensor:
-        self.micro_batches = 0
-        if self.compiled_update is not None:
-            return self._update_compiled()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = self.step_params
@@ -282,9 +198,11 @@ class FSDP2Backend:
         # flag is copied before the clip (or the update) is queued and read after, so the GPU stays busy while
         # the host waits for the norm and then queues the update (the clip of a skipped step is wasted).
         bad = (~torch.isfinite(norm)).float()
-        flag = HostCopy(bad)
-        if self.update_in_kernel:
-            return self._update_in_fused_adamw(norm, bad, flag)
+        return self._update(norm, bad, HostCopy(bad))
+
+    def _update(self, norm: torch.Tensor, bad: torch.Tensor, flag: HostCopy) -> torch.Tensor:
+        """Clip, skip a non-finite step (the flag read here: fp16's scaler skips overflows itself), update."""
+        params = self.step_params
         if self.max_grad_norm > 0 and any(p.grad is not None for p in params):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         self.skip_flag = None
@@ -297,45 +215,6 @@ class FSDP2Backend:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.places and not self.step_skipped:
-            self._masters_to_compute()
-        return norm
-
-    def _update_in_fused_adamw(self, norm: torch.Tensor, bad: torch.Tensor, flag: HostCopy) -> torch.Tensor:
-        """parallel.one_gpu: direct with fused AdamW: the clipping and the non-finite skip go into the optimizer's
-        kernel, through the `grad_scale` / `found_inf` it takes from GradScaler (it divides every gradient by
-        grad_scale, and leaves every weight and moment as they were when found_inf is 1). No multiply over the
-        gradients, and no wait at all: the skip flag goes to pinned memory and the loop reads it once the next
-        step's kernels are queued (a skipped step's cast into the compute copies rewrites what they held). The
-        same update as clipping first, to rounding. (Plain tensors only: a DTensor's shape-[1] flag fails the
-        fused kernel, see train.optim.use_fused.)"""
-        if self.max_grad_norm > 0:  # clip_grads_with_norm_'s factor, as a divisor
-            self.optimizer.grad_scale = (norm + 1e-6).div(self.max_grad_norm).clamp(min=1.0)
-        if self.skip_nonfinite:
-            self.optimizer.found_inf = bad
-        try:
-            self.optimizer.step()
-        finally:
-            self.optimizer.__dict__.pop("grad_scale", None)
-            self.optimizer.__dict__.pop("found_inf", None)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._masters_to_compute()
-        # Not read here: reading waits for the GPU to finish the backward. The loop reads it once the next
-        # step's kernels are queued (train/loop.py, _Pending).
-        self.step_skipped = False
-        self.skip_flag = flag if self.skip_nonfinite else None
-        return norm
-
-    def _update_compiled(self) -> torch.Tensor:
-        """optim.fused: compiled: the whole update queued as compiled code (compiled_adamw); the skip flag, as in
-        _update_in_fused_adamw, goes to pinned memory and is read once the next step's kernels are queued."""
-        norm = self.compiled_update.step(self.max_grad_norm, self.skip_nonfinite)
-        self.compiled_update.zero_grad()
-        self.step_skipped = False
-        if norm is None:  # no gradient anywhere (nothing trainable took part): as optimizer.step() would
-            self.skip_flag = None
-            return torch.zeros((), device=self.ctx.device)
-        self.skip_flag = HostCopy((~torch.isfinite(norm)).float()) if self.skip_nonfinite else None
         return norm
 
     @property
@@ -345,21 +224,18 @@ class FSDP2Backend:
     # ---- checkpoint state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name (sharded DTensors under FSDP2), for DCP."""
-        with self._masters_in_place():
-            model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_STATE_OPTIONS)
-            return {"model": _without_frozen_aliases(self.module, model_sd), "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_STATE_OPTIONS)
+        return {"model": _without_frozen_aliases(self.module, model_sd), "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # torch's load_state_dict takes each group's settings from the checkpoint, `fused` and `foreach` too: a run
         # resumed with another optim.fused would update as the saved one did (and the direct path's fused update
         # would hand its clip to a foreach AdamW, which refuses it). The kernel is this run's choice.
         kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
-        with self._masters_in_place():
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
         for group, kernel in zip(self.optimizer.param_groups, kernels, strict=True):
             group.update(kernel)
-        self._masters_to_compute()
 
     def extra_state(self) -> dict[str, Any]:
         """The JSON-able rest: the loss scaler."""
@@ -380,47 +256,8 @@ class FSDP2Backend:
 
     def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
         """Collective for a sharded parameter: its whole tensor on every rank."""
-        t = self.masters.get(id(param), param).detach()  # parallel.one_gpu: direct exports the fp32 master
+        t = param.detach()
         return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-class CastLinear(nn.Linear):
-    """A LoRA adapter's A or B matrix under parallel.one_gpu: direct: its fp32 weight (the optimizer's master) is
-    cast to the compute dtype inside the forward, as FSDP2's mixed precision casts each block's parameters when it
-    runs, and autograd casts the gradient back into the master's fp32 `.grad`. No compute-dtype copy of the
-    adapters is kept through the step (8B LoRA r=16 on all projections: 84 MB, which put the direct path 0.08 GiB
-    over FSDP2's peak on one H200, bench/RESULTS.md call 48); under activation checkpointing the recompute casts
-    again. The same arithmetic as the copy: the compute-dtype weight, input and output, and an fp32 gradient."""
-
-    compute_dtype: torch.dtype = torch.bfloat16
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.compute_dtype
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
-
-
-def cast_adapters_in_forward(model: nn.Module, dtype: torch.dtype) -> int:
-    """Make every plain LoRA layer's A and B matrices CastLinear (the class swapped in place: names, parameters
-    and state dicts unchanged), and stop PEFT casting the layer's input to their fp32 (it would be cast back).
-    DoRA and other variants read the matrices outside their forward: they keep the compute-dtype copy. Returns
-    how many matrices now cast in their forward."""
-    count = 0
-    for layer in model.modules():
-        adapters_a, adapters_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
-        if not isinstance(adapters_a, nn.ModuleDict) or not isinstance(adapters_b, nn.ModuleDict):
-            continue
-        if getattr(layer, "lora_variant", None) or any(getattr(layer, "use_dora", {}).values()):
-            continue
-        matrices = [m for m in (*adapters_a.values(), *adapters_b.values()) if type(m) is nn.Linear]
-        if len(matrices) != len(adapters_a) + len(adapters_b):
-            continue
-        layer.cast_input_dtype_enabled = False
-        for m in matrices:
-            m.__class__ = CastLinear
-            m.compute_dtype = dtype
-        count += len(matrices)
-    return count
 
 
 def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:

@@ -80,7 +80,7 @@ class Fsdp2Rules:
         p = s.compute_bytes
         largest, whole, blocks = sizes
         if s.one_gpu_direct:  # parallel.one_gpu: direct: compute-dtype copies of the trained weights, kept;
-            # LoRA's matrices cast in their forward instead (parallel/fsdp2_engine.CastLinear; 8B LoRA's peak on
+            # LoRA's matrices cast in their forward instead (parallel/direct_engine.CastLinear; 8B LoRA's peak on
             # one H200 was FSDP2's to 0.1 MB, bench/RESULTS.md call 50)
             return 0.0 if p == 4 or s.peft != "none" else m.params * p
         if self.param_shards(s) == 1 and s.strategy != "ddp" and s.peft != "none" and s.frozen_bytes == p:
