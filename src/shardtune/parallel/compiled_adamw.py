@@ -76,14 +76,15 @@ class CompiledAdamW:
         lrs = self._lrs([group["lr"] for group, _ in groups], device)
         if self.compiled is None:
             self.compiled = torch.compile(adamw_chunk, fullgraph=True, dynamic=True)
-        for index, (group, pairs) in enumerate(groups):
-            hyper = (float(group["weight_decay"]), *map(float, group["betas"]), float(group["eps"]))
-            for chunk in self._chunks(pairs):
-                states = [self._state(p, step) for p, _ in chunk]
-                copies = [self.copies[id(p)].view(-1) for p, _ in chunk] if id(chunk[0][0]) in self.copies else None
-                # a few graphs of one function by design; each tensor's size its own symbol, so chunks whose sizes
-                # repeat differently (duck sizing) share a graph
-                with torch._dynamo.config.patch(recompile_limit=64), fx_config.patch(use_duck_shape=False):
+        # a few graphs of one function by design; each tensor's size its own symbol, so chunks whose sizes repeat
+        # differently (duck sizing) share a graph (the settings entered once a step, not per chunk: host time)
+        with torch._dynamo.config.patch(recompile_limit=64), fx_config.patch(use_duck_shape=False):
+            for index, (group, pairs) in enumerate(groups):
+                hyper = (float(group["weight_decay"]), *map(float, group["betas"]), float(group["eps"]))
+                for chunk in self._chunks(pairs):
+                    states = [self._state(p, step) for p, _ in chunk]
+                    copies = ([self.copies[id(p)].view(-1) for p, _ in chunk] if id(chunk[0][0]) in self.copies
+                              else None)
                     self.compiled([p.view(-1) for p, _ in chunk], [g.reshape(-1) for _, g in chunk],
                                   [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
                                   copies, taken, lrs[index], divisor, keep, *hyper)
