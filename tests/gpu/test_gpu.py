@@ -322,3 +322,6 @@ def test_the_host_embedding_lookup_does_not_wait_for_the_gpu():
     rows = host(gpu_ids)
     assert not busy.query() and host.waited == 0
     assert rows.is_cuda and torch.equal(rows.cpu(), table(ids))
+    with pytest.warns(UserWarning, match="without the batch's host copy"):  # no host ids: it waits, and says so
+        again = host(gpu_ids)
+    assert host.waited == 1 and torch.equal(again, rows)

@@ -11,6 +11,8 @@ trade (it copies the ids back each call).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -36,7 +38,13 @@ class HostEmbedding:
         ids, self.ids = self.ids, None
         if ids is None or ids.shape != input_ids.shape:
             ids = input_ids.cpu()
-            self.waited += input_ids.device.type != "cpu"
+            if input_ids.device.type != "cpu":
+                self.waited += 1
+                if self.waited == 1:  # once a run: the step stays right, only slower (the host idles each call)
+                    warnings.warn("peft.offload_embedding: a forward came without the batch's host copy of its token "
+                                  "ids, so the lookup copied them back from the GPU and waited for it; feed batches "
+                                  "made by shardtune.data.to_device (Batch.host_input_ids), or set "
+                                  "peft.offload_embedding=false", stacklevel=2)
         weight, flat = self.module.weight, ids.reshape(-1)
         out = torch.empty((flat.numel(), weight.shape[1]), dtype=weight.dtype, device=self.device)
         start = 0
