@@ -148,7 +148,9 @@ def test_lora_adapters_update_as_with_the_fused_kernel(cli, tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[fused] = [r["loss"] for _, r in sorted(_records(out).items())]
     assert losses["compiled"][:2] == pytest.approx(losses["true"][:2], rel=1e-6)
-    assert losses["compiled"] == pytest.approx(losses["true"], rel=2e-5)  # bf16 flips (measured 4e-6)
+    # then bf16 flips, grown by lr 0.01 (measured 4e-6 here, 2.6e-5 at step 4 on a fresh CI clone; a wrong update
+    # moves step 2 already)
+    assert losses["compiled"] == pytest.approx(losses["true"], rel=1e-4)
     assert losses["true"][-1] < losses["true"][0]
 
 
