@@ -66,6 +66,28 @@ def test_the_compiled_update_is_torchs_adamw_to_rounding(max_norm: float) -> Non
     assert torch.compiler.is_compiling() is False and update.compiled is not None
 
 
+def test_a_parameter_without_a_gradient_is_neither_updated_nor_counted() -> None:
+    # As torch's AdamW: a parameter that took no part in a step (an MoE expert no token was routed to) keeps its
+    # weight, moments and step count; its next update's bias correction reads its own count, not the others'.
+    torch._dynamo.reset()
+    masters, copies = _pairs(3)
+    want = [torch.nn.Parameter(m.detach().clone()) for m in masters]
+    ours, reference = _optimizer(masters, fused=False), _optimizer(want, fused=True)
+    update = CompiledAdamW(ours, {id(m): c for m, c in zip(masters, copies, strict=True)})
+    g = torch.Generator().manual_seed(4)
+    for present in ((0, 1), (0,), (0,), (0, 1)):
+        for i in present:
+            grad = (torch.randn(masters[i].shape, generator=g) * 3).to(torch.bfloat16)
+            copies[i].grad, want[i].grad = grad.clone(), grad.float()
+        update.step(0.0, skip_nonfinite=True)
+        update.zero_grad()
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+        for m, w in zip(masters, want, strict=True):
+            torch.testing.assert_close(m.detach(), w.detach(), rtol=1e-6, atol=1e-7)
+    assert [float(ours.state[m]["step"]) for m in masters] == [4, 2]
+
+
 def test_a_non_finite_gradient_skips_the_whole_update() -> None:
     masters, copies = _pairs(2)
     optimizer = _optimizer(masters, fused=False)

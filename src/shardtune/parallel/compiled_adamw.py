@@ -26,13 +26,15 @@ CHUNK = 8
 
 
 def adamw_chunk(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                exp_avg_sqs: list[torch.Tensor], copies: list[torch.Tensor] | None, taken: torch.Tensor,
+                exp_avg_sqs: list[torch.Tensor], copies: list[torch.Tensor] | None, steps: list[torch.Tensor],
                 lr: torch.Tensor, divisor: torch.Tensor, keep: torch.Tensor, decay: float, beta1: float,
                 beta2: float, eps: float) -> None:
-    """AdamW on one chunk of one param group, in place (1-D views). `taken`: the step being taken (1-based, a
-    0-dim fp32 tensor); `divisor`: clipping's (GradScaler's grad_scale); `keep`: False skips the step (found_inf);
-    `copies`: the compute-dtype tensors the model computes with, written from the updated masters."""
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+    """AdamW on one chunk of one param group, in place (1-D views). `steps`: each parameter's steps taken so far
+    (torch's 0-dim fp32 `step` state, counted here); `divisor`: clipping's (GradScaler's grad_scale); `keep`: False
+    skips the step (found_inf); `copies`: the compute-dtype tensors the model computes with, written from the
+    updated masters."""
+    for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True)):
+        taken = step + 1
         g = g.float() / divisor
         # in the order of torch's fused CUDA kernel (fused_adam_utils.cuh, ADAMW)
         m_new = beta1 * m + (1 - beta1) * g
@@ -44,6 +46,7 @@ def adamw_chunk(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         p.copy_(p_new)
         m.copy_(m_new)
         v.copy_(v_new)
+        step.copy_(torch.where(keep, taken, step))
         if copies is not None:
             copies[i].copy_(p_new)
 
@@ -71,8 +74,6 @@ class CompiledAdamW:
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
         keep = torch.isfinite(norm) if skip_nonfinite else torch.ones((), dtype=torch.bool, device=device)
         divisor = (norm + 1e-6).div(max_grad_norm).clamp(min=1.0) if max_grad_norm > 0 else torch.ones_like(norm)
-        step = self._step_tensor([p for _, pairs in groups for p, _ in pairs], device)
-        taken = step + 1
         lrs = self._lrs([group["lr"] for group, _ in groups], device)
         if self.compiled is None:
             self.compiled = torch.compile(adamw_chunk, fullgraph=True, dynamic=True)
@@ -82,13 +83,12 @@ class CompiledAdamW:
             for index, (group, pairs) in enumerate(groups):
                 hyper = (float(group["weight_decay"]), *map(float, group["betas"]), float(group["eps"]))
                 for chunk in self._chunks(pairs):
-                    states = [self._state(p, step) for p, _ in chunk]
+                    states = [self._state(p, device) for p, _ in chunk]
                     copies = ([self.copies[id(p)].view(-1) for p, _ in chunk] if id(chunk[0][0]) in self.copies
                               else None)
                     self.compiled([p.view(-1) for p, _ in chunk], [g.reshape(-1) for _, g in chunk],
                                   [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
-                                  copies, taken, lrs[index], divisor, keep, *hyper)
-        step.add_(keep.float())
+                                  copies, [s["step"] for s in states], lrs[index], divisor, keep, *hyper)
         return norm
 
     def _chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -124,21 +124,17 @@ class CompiledAdamW:
                 if copy is not None:
                     copy.grad = None
 
-    def _step_tensor(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The steps taken, one fp32 tensor on the device shared by every parameter's state (torch keeps one per
-        parameter; a loaded checkpoint brings those back, all equal: the first one's count is taken)."""
-        for p in params:
-            step = self.optimizer.state.get(p, {}).get("step")
-            if step is not None:
-                if step.device == device and step.dtype == torch.float32 and step.dim() == 0:
-                    return step
-                return torch.full((), float(step), dtype=torch.float32, device=device)
-        return torch.zeros((), dtype=torch.float32, device=device)
-
-    def _state(self, p: torch.Tensor, step: torch.Tensor) -> dict[str, Any]:
+    def _state(self, p: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        """`p`'s AdamW state in torch's layout, made at its first update; its step count a 0-dim fp32 tensor on
+        the device, as torch's fused AdamW keeps it (one per parameter: one without a gradient in a step is not
+        counted; a checkpoint of the foreach update brings it on the host, moved here once)."""
         state = self.optimizer.state[p]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] = step
+        step = state.get("step")
+        if step is None:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        elif not isinstance(step, torch.Tensor) or step.device != device or step.dtype != torch.float32:
+            state["step"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).to(device)
         return state
