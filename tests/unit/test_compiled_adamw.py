@@ -30,13 +30,20 @@ def _optimizer(masters: list[torch.nn.Parameter], fused: bool) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=None if fused else True)
 
 
-@pytest.mark.parametrize("max_norm", [0.0, 1.0, 1e6])  # no clipping, clipping that bites, one that never does
-def test_the_compiled_update_is_torchs_adamw_to_rounding(max_norm: float) -> None:
+def _against_torch(seed: int) -> tuple[list, list, list, torch.optim.AdamW, torch.optim.AdamW, CompiledAdamW]:
+    """(masters, their bf16 copies, the reference's parameters, our optimizer, torch's fused one, the compiled
+    update over ours), from a fresh Dynamo state."""
     torch._dynamo.reset()
-    masters, copies = _pairs(0)
+    masters, copies = _pairs(seed)
     want = [torch.nn.Parameter(m.detach().clone()) for m in masters]
     ours, reference = _optimizer(masters, fused=False), _optimizer(want, fused=True)
     update = CompiledAdamW(ours, {id(m): c for m, c in zip(masters, copies, strict=True)})
+    return masters, copies, want, ours, reference, update
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0, 1e6])  # no clipping, clipping that bites, one that never does
+def test_the_compiled_update_is_torchs_adamw_to_rounding(max_norm: float) -> None:
+    masters, copies, want, ours, reference, update = _against_torch(0)
     g = torch.Generator().manual_seed(1)
     for step in range(4):
         for group in (*ours.param_groups, *reference.param_groups):
@@ -69,11 +76,7 @@ def test_the_compiled_update_is_torchs_adamw_to_rounding(max_norm: float) -> Non
 def test_a_parameter_without_a_gradient_is_neither_updated_nor_counted() -> None:
     # As torch's AdamW: a parameter that took no part in a step (an MoE expert no token was routed to) keeps its
     # weight, moments and step count; its next update's bias correction reads its own count, not the others'.
-    torch._dynamo.reset()
-    masters, copies = _pairs(3)
-    want = [torch.nn.Parameter(m.detach().clone()) for m in masters]
-    ours, reference = _optimizer(masters, fused=False), _optimizer(want, fused=True)
-    update = CompiledAdamW(ours, {id(m): c for m, c in zip(masters, copies, strict=True)})
+    masters, copies, want, ours, reference, update = _against_torch(3)
     g = torch.Generator().manual_seed(4)
     for present in ((0, 1), (0,), (0,), (0, 1)):
         for i in present:
