@@ -173,9 +173,10 @@ def test_lora_adapters_update_as_with_the_fused_kernel(cli, tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[fused] = [r["loss"] for _, r in sorted(_records(out).items())]
     assert losses["compiled"][:2] == pytest.approx(losses["true"][:2], rel=1e-6)
-    # then bf16 flips, grown by lr 0.01 (measured 4e-6 here, 2.6e-5 at step 4 on a fresh CI clone; a wrong update
-    # moves step 2 already)
-    assert losses["compiled"] == pytest.approx(losses["true"], rel=1e-4)
+    # then bf16 flips, grown by lr 0.01: 6.9e-6 / 2.57e-5 at steps 3 / 4, the same in every run of this environment
+    # (4e-6 when the bound was 2e-5; the code at that commit gives 2.57e-5 here too). For scale: the fused kernel at
+    # lr 0.0101 moves steps 2 / 3 / 4 by 4.4e-6 / 7.7e-5 / 1.2e-4, so an update 1% off fails step 2's bound.
+    assert losses["compiled"] == pytest.approx(losses["true"], rel=4e-5)
     assert losses["true"][-1] < losses["true"][0]
 
 
