@@ -144,9 +144,12 @@ def fused_runs(tmp_path_factory):
 @pytest.mark.parametrize("precision, accum, then", [(*case, "auto") for case in CASES] + [("bf16", 1, "compiled")])
 def test_a_run_trains_as_with_the_fused_kernel_and_resumes(cli, fused_runs, tmp_path, precision, accum, then):
     # Stopped at step 2 and resumed with the fused kernel (the state is torch's), or with the compiled update
-    # again. In bf16 the two updates' fp32 rounding can turn a weight's bf16 copy one unit the other way, which
-    # moves the gradient norm by up to 1e-3 and the loss by up to 1e-5 at steps 2-4 (stated; measured 7.6e-4 and
-    # 1e-5); fp32 computes with the masters, to 1e-6. The exact parts are pinned by the unit tests above.
+    # again. In bf16 the two updates' fp32 rounding can turn a weight's bf16 copy one unit the other way: the loss
+    # after the first update (step 2) stays within 1e-6 (measured 8e-8; an lr 1% off moves it by 1e-5 with one
+    # micro-batch), then the flips grow with the CPU's bf16 kernels: steps 3-4 by 2.5e-5 on an AVX512-BF16 CPU,
+    # 1e-5 on another, against 5e-5 to 1e-4 for that lr 1% off, so 1e-4 there; the gradient norm by up to 1e-3
+    # (measured 1.3e-4 and 7.6e-4). fp32 computes with the masters, to 1e-6. The exact parts are pinned by the unit
+    # tests above.
     out = tmp_path / "run"
     args = [*RUN, f"train.precision={precision}", f"train.grad_accum={accum}", "--output-dir", str(out)]
     first = cli("train", TINY, *args, "optim.fused=compiled", "train.stop_after_step=2")
@@ -155,9 +158,9 @@ def test_a_run_trains_as_with_the_fused_kernel_and_resumes(cli, fused_runs, tmp_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got, want = _records(out), fused_runs[precision, accum]
     assert sorted(got) == [1, 2, 3, 4]
-    loss_rel, norm_rel = (1e-6, 1e-5) if precision == "fp32" else (2e-5, 1e-3)
+    loss_rel, norm_rel = (1e-6, 1e-5) if precision == "fp32" else (1e-4, 1e-3)
     for step, record in want.items():
-        assert got[step]["loss"] == pytest.approx(record["loss"], rel=loss_rel if step > 1 else 1e-6), step
+        assert got[step]["loss"] == pytest.approx(record["loss"], rel=loss_rel if step > 2 else 1e-6), step
         assert got[step]["grad_norm"] == pytest.approx(record["grad_norm"], rel=norm_rel if step > 1 else 1e-5), step
     assert all(r["grad_norm"] > 1.0 for r in want.values())  # every step clipped
     assert want[4]["loss"] < want[1]["loss"]
@@ -173,10 +176,10 @@ def test_lora_adapters_update_as_with_the_fused_kernel(cli, tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[fused] = [r["loss"] for _, r in sorted(_records(out).items())]
     assert losses["compiled"][:2] == pytest.approx(losses["true"][:2], rel=1e-6)
-    # then bf16 flips, grown by lr 0.01: 6.9e-6 / 2.57e-5 at steps 3 / 4, the same in every run of this environment
-    # (4e-6 when the bound was 2e-5; the code at that commit gives 2.57e-5 here too). For scale: the fused kernel at
-    # lr 0.0101 moves steps 2 / 3 / 4 by 4.4e-6 / 7.7e-5 / 1.2e-4, so an update 1% off fails step 2's bound.
-    assert losses["compiled"] == pytest.approx(losses["true"], rel=4e-5)
+    # then bf16 flips, grown by lr 0.01 and by the CPU's bf16 kernels: 6.9e-6 / 2.57e-5 at steps 3 / 4 on one CPU,
+    # 4e-6 at step 4 on another. For scale: the fused kernel at lr 0.0101 moves steps 2 / 3 / 4 by 4.4e-6 / 7.7e-5 /
+    # 1.2e-4, so an update 1% off fails step 2's bound; steps 3-4 only bound what the flips can grow to.
+    assert losses["compiled"] == pytest.approx(losses["true"], rel=1e-4)
     assert losses["true"][-1] < losses["true"][0]
 
 
