@@ -177,6 +177,15 @@ class ParallelConfig(_Section):
                             "micro-batch 4 +6% (2.01x HF + PEFT + Liger), at 0.4-0.6 GiB more. Selective "
                             "checkpointing under compile is always inside (its per-op policy sees the ops only "
                             "there).")
+    activation_memory_budget: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="With parallel.compile and activation_checkpointing none: the share of each compiled block's "
+                    "activations that compile's partitioner may keep for backward, from what full checkpointing "
+                    "keeps (0: the block's inputs) to what it keeps by default (1); the rest is recomputed in the "
+                    "compiled backward, the cheapest bytes first (torch._functorch.config.activation_memory_budget, "
+                    "torchtitan's activation_checkpoint.mode memory_budget). Unset: the default partitioner. The "
+                    "planner prices it between none and full (memory linear in the budget, recompute at most "
+                    "linear); not measured on a GPU yet.")
     activation_offload: bool = Field(
         False, description="Keep what autograd saves in the decoder in host memory (pinned on GPUs), copied out in "
                            "forward and back in backward (as torch.autograd.graph.save_on_cpu, in power-of-two "
@@ -226,6 +235,14 @@ class ParallelConfig(_Section):
                              "one or the other)")
         if self.compile_options:
             _check_inductor_options(self.compile_options)
+        if self.activation_memory_budget is not None:
+            if not self.compile:
+                raise ValueError("parallel.activation_memory_budget needs parallel.compile=true (compile's "
+                                 "partitioner decides what to recompute)")
+            if self.activation_checkpointing != "none":
+                raise ValueError("set parallel.activation_memory_budget or parallel.activation_checkpointing, not "
+                                 "both (the budget decides what each block recomputes; checkpointing decides it "
+                                 "by itself)")
         if self.checkpoint_in_compile is True and not self.compile:
             raise ValueError("parallel.checkpoint_in_compile needs parallel.compile=true (it checkpoints inside "
                              "the compiled blocks)")

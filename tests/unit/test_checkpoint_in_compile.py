@@ -96,9 +96,44 @@ def test_lora_blocks_checkpointed_inside_compile_keep_their_gradients() -> None:
         torch.testing.assert_close(grad, outside[1][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_a_memory_budget_recomputes_inside_the_compiled_blocks_and_saves_what_it_allows() -> None:
+    # parallel.activation_memory_budget: compile's partitioner keeps at most that share of the block's activations
+    # between what recomputing all of it keeps (0) and the default (1), with the gradients of no budget. Each
+    # prepare sets the process-wide value; patch puts it back for the tests after this one.
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(activation_memory_budget=1.0):
+        plain = _run(["parallel.activation_checkpointing=none"], lora=True)
+        budgets = {b: _run([f"parallel.activation_memory_budget={b}"], lora=True) for b in (0.5, 0.0)}
+        assert functorch_config.activation_memory_budget == 0.0  # the last prepare's
+        again = _run(["parallel.activation_checkpointing=none"], lora=True)  # unset: torch's default again
+    full = _run(["parallel.activation_checkpointing=full"], lora=True)
+    for run in budgets.values():
+        assert run[0] == pytest.approx(plain[0], rel=1e-6)
+        assert run[1].keys() == plain[1].keys()
+        for name, grad in run[1].items():
+            torch.testing.assert_close(grad, plain[1][name], rtol=1e-5, atol=1e-7, msg=name)
+        assert run[4][0] >= 1 and run[4][1] == 0, run[4]  # compiled, no graph break
+    low, half, high = budgets[0.0][2], budgets[0.5][2], plain[2]
+    assert again[2] == high
+    # 0 keeps the blocks' inputs, about what full checkpointing keeps; 0.5 about half of the way to the default.
+    # The partitioner bounds its own estimate (each saved node at its full size), which the saved tensors the hooks
+    # see follow roughly: 0.55 of the way here, 0.49 without the adapters (0.30 at 0.3, 0.67 at 0.7)
+    assert low <= 1.1 * full[2] and low < 0.3 * high, (low, full[2], high)
+    assert 0.35 < (half - low) / (high - low) < 0.65, (low, half, high)
+
+
 def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"parallel\.checkpoint_in_compile needs parallel\.compile=true"):
         load_config(TINY, ["parallel.checkpoint_in_compile=true"])
+    with pytest.raises(ConfigError, match=r"parallel\.activation_memory_budget needs parallel\.compile=true"):
+        load_config(TINY, ["parallel.activation_memory_budget=0.5"])
+    with pytest.raises(ConfigError, match=r"set parallel\.activation_memory_budget or parallel\.activation_check"):
+        load_config(TINY, ["parallel.compile=true", "parallel.activation_memory_budget=0.5",
+                           "parallel.activation_checkpointing=full"])
+    with pytest.raises(ConfigError, match=r"activation_memory_budget") as err:
+        load_config(TINY, ["parallel.compile=true", "parallel.activation_memory_budget=1.5"])
+    assert "\n" not in str(err.value)
     cfg = load_config(TINY, ["parallel.compile=true", "parallel.checkpoint_in_compile=true",
                              "parallel.activation_checkpointing=full", "parallel.activation_offload=true"])
     with pytest.raises(ShardtuneError, match="activation_offload cannot move them") as err:

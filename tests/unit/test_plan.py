@@ -114,6 +114,39 @@ def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
             == 1024 * 128256 * 2 + 8192 * 2048 * 2 + 4 * 128256 * 2048)
 
 
+def test_a_memory_budget_is_priced_between_none_and_full_inside_compile(one_b: ModelShape,
+                                                                        eight_b: ModelShape) -> None:
+    """parallel.activation_memory_budget: the saved activations full checkpointing keeps plus the budget's share of
+    the rest, and at most that share of the traced recompute's FLOPs and backward memory; only under compile
+    without checkpointing, and the planner's search then leaves the checkpointing alone."""
+    from shardtune.plan import describe, free_knobs
+
+    base = Setting(micro_batch_size=4, seq_len=2048, compile=True)
+    for m in (one_b, eight_b):
+        none, full = base, replace(base, activation_checkpointing="full")
+        low, half, high = (replace(base, memory_budget=b) for b in (0.0, 0.5, 1.0))
+        assert activations(m, high) == activations(m, none) and activations(m, low)[0] == activations(m, full)[0]
+        assert activations(m, half)[0] == pytest.approx((activations(m, low)[0] + activations(m, high)[0]) / 2)
+        assert train_flops_per_token(m, low) == train_flops_per_token(m, full)  # the traced recompute's
+        assert train_flops_per_token(m, high) == train_flops_per_token(m, none)
+        assert train_flops_per_token(m, half) == pytest.approx(
+            (train_flops_per_token(m, none) + train_flops_per_token(m, full)) / 2)
+        assert attention_flops_per_token(m, low) == attention_flops_per_token(m, full)
+        h200 = lookup("h200")
+        assert (step_time(m, none, h200).seconds < step_time(m, half, h200).seconds
+                < step_time(m, low, h200).seconds)
+        assert gpu_memory(m, high).total == gpu_memory(m, none).total
+        assert gpu_memory(m, low).total == pytest.approx(gpu_memory(m, full).total, rel=0.01)
+    # no compile, or checkpointing set: no budget applies (config refuses the pair; a searched setting ignores it)
+    for other in (replace(base, compile=False, memory_budget=0.5),
+                  replace(base, memory_budget=0.5, activation_checkpointing="full")):
+        assert other.budget_recompute == 0.0
+    assert "activation memory budget 0.5" in describe(replace(base, memory_budget=0.5))
+    cfg = _cfg("parallel.strategy=auto", "parallel.compile=true", "parallel.activation_memory_budget=0.5")
+    assert "activation_checkpointing" not in free_knobs(cfg) and "strategy" in free_knobs(cfg)
+    assert "activation_checkpointing" in free_knobs(_cfg("parallel.strategy=auto", "parallel.compile=true"))
+
+
 def test_selective_checkpointing_sits_between_none_and_full(one_b: ModelShape, eight_b: ModelShape) -> None:
     """parallel/prepare.py keeps the block input, the q, v, gate and down outputs and the attention output and
     log-sum-exp: p(4h + k + f) + 4a bytes per token and block; it recomputes the k, o and up projections."""

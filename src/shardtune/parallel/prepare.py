@@ -288,6 +288,8 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     torchtitan's checkpoint wrapper keeps them."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
     mode, traced = parallel.activation_checkpointing, checkpoint_traced(parallel)
+    if parallel.compile:
+        set_memory_budget(parallel.activation_memory_budget)
     if traced:
         allow_side_effects_under_checkpoint()
     kwargs, compile_kw = checkpoint_kwargs(mode, traced), compile_kwargs(parallel)
@@ -349,6 +351,16 @@ def allow_side_effects_under_checkpoint() -> None:
     import torch._dynamo
 
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def set_memory_budget(budget: float | None) -> None:
+    """parallel.activation_memory_budget for the blocks compiled next. torch reads it when it partitions a compiled
+    forward and its backward (at the first call), from one process-wide setting (torch 2.11 has no per-graph
+    form), so it covers every compiled graph of the run, and each prepare sets it: torch's default (1.0) where
+    unset. Its value is part of AOTAutograd's cache key."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = 1.0 if budget is None else float(budget)
 
 
 def compile_kwargs(parallel: ParallelConfig) -> dict[str, Any]:

@@ -89,8 +89,11 @@ def describe(s: Setting) -> str:
     parts = [f"{s.backend} {s.strategy}"]
     if s.offload != "none":
         parts.append(f"offload {s.offload}")
-    parts.append("no checkpointing" if s.activation_checkpointing == "none" else
-                 f"checkpointing {s.activation_checkpointing}")
+    if s.budget_recompute:
+        parts.append(f"activation memory budget {s.memory_budget:g}")
+    else:
+        parts.append("no checkpointing" if s.activation_checkpointing == "none" else
+                     f"checkpointing {s.activation_checkpointing}")
     if s.activation_offload:
         parts.append("saved activations in host memory")
     if s.frozen_local:
@@ -211,8 +214,10 @@ def free_knobs(cfg: Any) -> set[str]:
     free = set()
     if cfg.parallel.strategy == "auto":
         free.add("strategy")
+        chosen = cfg.parallel.model_fields_set | ({"activation_checkpointing"}  # none: the budget recomputes
+                                                  if cfg.parallel.activation_memory_budget is not None else set())
         free |= {k for k in ("backend", "offload", "activation_checkpointing", "activation_offload")
-                 if k not in cfg.parallel.model_fields_set}
+                 if k not in chosen}
         if cfg.parallel.shard_frozen == "auto":
             free.add("shard_frozen")
     if cfg.train.micro_batch_size == "auto":

@@ -138,8 +138,12 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     the outputs of the attention kernel and of every other matmul (selective_bytes_per_token_layer) and
     recomputes the rest of one block at a time."""
     per_layer = activation_bytes_per_token_layer(m, s) * s.tokens
+    block_input = float(s.compute_bytes * m.hidden * s.tokens)
     if s.activation_checkpointing == "full":
-        return float(m.layers * s.compute_bytes * m.hidden * s.tokens), per_layer
+        return m.layers * block_input, per_layer
+    if s.budget_recompute:  # parallel.activation_memory_budget: between full checkpointing's and none's
+        kept = block_input + (1.0 - s.budget_recompute) * max(0.0, per_layer - block_input)
+        return m.layers * kept, per_layer - kept
     if s.activation_checkpointing == "selective":
         kept = selective_bytes_per_token_layer(m, s) * s.tokens
         return m.layers * kept, max(0.0, per_layer - kept)
@@ -159,6 +163,8 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     fixed = 0.0
     if s.checkpoint_traced:
         extra, fixed = extra + INSIDE_RECOMPUTE, INSIDE_FIXED
+    elif s.budget_recompute:  # a recompute inside the compiled backward too: not measured, its share of full's
+        extra, fixed = s.budget_recompute * (COMPILED_RECOMPUTE + INSIDE_RECOMPUTE), s.budget_recompute * INSIDE_FIXED
     return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens + fixed
 
 

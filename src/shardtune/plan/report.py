@@ -45,7 +45,9 @@ def _row(c: Candidate, mark: str = "") -> str:
     s, mem = c.setting, c.memory
     terms = " ".join(f"{mem.terms.get(key, 0.0) / GIB:>6.1f}" for key, _ in TERMS)
     fits = "yes" if c.usable else ("host" if c.fits else "no")
-    ac = AC_SHORT.get(s.activation_checkpointing, s.activation_checkpointing) + ("+h" if s.activation_offload else "")
+    ac = f"b{s.memory_budget:g}" if s.budget_recompute else AC_SHORT.get(s.activation_checkpointing,
+                                                                          s.activation_checkpointing)
+    ac += "+h" if s.activation_offload else ""
     strategy = s.strategy + ("+w" if s.frozen_local else "")  # the frozen base whole on each GPU
     return (f"{s.backend:<9} {strategy:<8} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
             f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "

@@ -24,6 +24,7 @@ class Setting:
     activation_checkpointing: str = "none"  # none | selective | full
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
     checkpoint_in_compile: bool | str = "auto"  # parallel.checkpoint_in_compile as configured (checkpoint_traced)
+    memory_budget: float | None = None  # parallel.activation_memory_budget (budget_recompute: its share here)
     shard_frozen: bool = True  # parallel.shard_frozen, resolved (auto: false on one process)
     one_gpu: str = "fsdp2"  # parallel.one_gpu as configured (one_gpu_direct: whether it applies here)
     compile: bool = False
@@ -80,6 +81,17 @@ class Setting:
 
         return traces_checkpoint(self.compile, self.activation_checkpointing, self.checkpoint_in_compile,
                                  self.activation_offload)
+
+    @property
+    def budget_recompute(self) -> float:
+        """The share of full checkpointing's recompute that parallel.activation_memory_budget asks compile's
+        partitioner for: 1 - budget with compiled blocks and no checkpointing, else 0. Its saved activations are
+        priced at full checkpointing's plus the budget's share of the rest (the partitioner bounds its own estimate
+        so), its recompute at this share of full checkpointing's inside the compiled backward: an upper bound, as
+        the partitioner recomputes the cheapest bytes first (a knapsack: the cost is convex in the budget)."""
+        if self.memory_budget is None or not self.compile or self.activation_checkpointing != "none":
+            return 0.0
+        return 1.0 - self.memory_budget
 
     @property
     def rules(self) -> Any:
@@ -164,6 +176,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
         activation_offload=p.activation_offload, checkpoint_in_compile=p.checkpoint_in_compile,
+        memory_budget=p.activation_memory_budget,
         shard_frozen=not frozen_whole(p, world),
         one_gpu=p.one_gpu,
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,

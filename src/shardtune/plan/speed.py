@@ -129,6 +129,8 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
         flops += 2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len
         if s.checkpoint_traced:
             flops -= 2.0 * m.layers * m.hidden * m.ffn
+    elif s.budget_recompute:  # at most its share of the traced recompute's
+        flops += s.budget_recompute * 2.0 * m.layers * (m.block_params - m.hidden * m.ffn + 2.0 * m.hidden * s.seq_len)
     elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
         flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
     return flops
@@ -137,7 +139,8 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
 def attention_flops_per_token(m: ModelShape, s: Setting) -> tuple[float, float]:
     """(counted, run): the attention scores and values in train_flops_per_token (12·L·h·s, + 4·L·h·s when full
     checkpointing runs the forward again) and what the kernel runs of them (CAUSAL_SHARE unless eager)."""
-    counted = (16.0 if s.activation_checkpointing == "full" else 12.0) * m.layers * m.hidden * s.seq_len
+    counted = (16.0 if s.activation_checkpointing == "full" else 12.0 + 4.0 * s.budget_recompute) * (
+        m.layers * m.hidden * s.seq_len)
     return counted, counted * (1.0 if s.attn == "eager" else CAUSAL_SHARE)
 
 
@@ -264,18 +267,24 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     return pcie + adam + activations
 
 
+def weight_passes(s: Setting) -> float:
+    """Passes over each frozen weight per micro-batch: forward and backward, and the recompute's forward under
+    checkpointing (its share under parallel.activation_memory_budget)."""
+    return 2.0 + (1.0 if s.activation_checkpointing != "none" else s.budget_recompute)
+
+
 def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float, hw: Any) -> float:
     """Seconds train.float8 takes off the blocks' linear matmuls (FLOAT8_SPEEDUP), less the frozen weights'
     gradients eager LoRA forms and drops, plus the per-pass casts a kept float8 base does not make;
     `seconds_per_flop_token` = tokens / bf16 rate."""
     frozen = s.peft != "none"
-    per_weight = (4.0 if frozen else 6.0) + (2.0 if s.activation_checkpointing == "full" else 0.0)
+    per_weight = (4.0 if frozen else 6.0) + 2.0 * (1.0 if s.activation_checkpointing == "full" else s.budget_recompute)
     linear = per_weight * m.layers * m.block_params * seconds_per_flop_token
     saving = linear * (1.0 - 1.0 / FLOAT8_SPEEDUP[(s.float8, "peft" if frozen else "full")])
     if frozen and not s.compile and not s.base_float8:  # its kept casts skip the weights' gradients
         saving -= 2.0 * m.layers * m.block_params * seconds_per_flop_token / FLOAT8_SPEEDUP[(s.float8, "peft")]
     if frozen and s.base_float8:
-        passes = 2 if s.activation_checkpointing == "none" else 3
+        passes = weight_passes(s)
         saving += passes * s.grad_accum * m.target_params * FLOAT8_CAST_BYTES / hw.hbm_bytes_per_s
     return saving
 
@@ -294,7 +303,7 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     if s.peft == "qlora":
         # Each NF4 weight is dequantised in forward, in the recompute and in backward of every micro-batch:
         # reads 4 bits and writes the compute dtype.
-        passes = 2 if s.activation_checkpointing == "none" else 3
+        passes = weight_passes(s)
         compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / min(
             hw.bf16_flops * DEQUANT_BYTES_PER_FLOP, hw.hbm_bytes_per_s)
     trainable = m.params if s.peft == "none" else m.lora_params
