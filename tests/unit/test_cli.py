@@ -145,6 +145,12 @@ def test_plan_summary(cli):
         assert fragment in out, out
 
 
+def test_plan_summary_names_the_activation_memory_budget(cli):
+    proc = cli("plan", TINY, "parallel.compile=true", "parallel.activation_memory_budget=0.5")
+    assert proc.returncode == 0, proc.stderr
+    assert "activation checkpointing none, compile, activation memory budget 0.5" in proc.stdout, proc.stdout
+
+
 def test_plan_summary_deepspeed(cli):
     proc = cli("plan", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero2",
                      "parallel.offload=optimizer", "train.grad_accum=2", "--nproc", "4")

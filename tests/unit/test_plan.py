@@ -142,8 +142,12 @@ def test_a_memory_budget_is_priced_between_none_and_full_inside_compile(one_b: M
                   replace(base, memory_budget=0.5, activation_checkpointing="full")):
         assert other.budget_recompute == 0.0
     assert "activation memory budget 0.5" in describe(replace(base, memory_budget=0.5))
-    cfg = _cfg("parallel.strategy=auto", "parallel.compile=true", "parallel.activation_memory_budget=0.5")
+    cfg = _cfg("model.preset=llama-3.2-1b", "parallel.strategy=auto", "parallel.compile=true",
+               "parallel.activation_memory_budget=0.5")
     assert "activation_checkpointing" not in free_knobs(cfg) and "strategy" in free_knobs(cfg)
+    resolved, plan = resolve_auto(cfg, preset_config("llama-3.2-1b"), H200, world=1, per_node=1)
+    assert resolved.parallel.activation_checkpointing == "none"
+    assert resolved.parallel.activation_memory_budget == 0.5 and plan.chosen().setting.budget_recompute == 0.5
     assert "activation_checkpointing" in free_knobs(_cfg("parallel.strategy=auto", "parallel.compile=true"))
 
 
