@@ -103,11 +103,11 @@ def test_a_memory_budget_recomputes_inside_the_compiled_blocks_and_saves_what_it
     import torch._functorch.config as functorch_config
 
     with functorch_config.patch(activation_memory_budget=1.0):
-        plain = _run(["parallel.activation_checkpointing=none"], lora=True)
-        budgets = {b: _run([f"parallel.activation_memory_budget={b}"], lora=True) for b in (0.5, 0.0)}
+        plain = _run(["parallel.activation_checkpointing=none"], lora=False)
+        budgets = {b: _run([f"parallel.activation_memory_budget={b}"], lora=False) for b in (0.5, 0.0)}
         assert functorch_config.activation_memory_budget == 0.0  # the last prepare's
-        again = _run(["parallel.activation_checkpointing=none"], lora=True)  # unset: torch's default again
-    full = _run(["parallel.activation_checkpointing=full"], lora=True)
+        offload_test_model(["parallel.compile=true"])  # unset: torch's default again
+        assert functorch_config.activation_memory_budget == 1.0
     for run in budgets.values():
         assert run[0] == pytest.approx(plain[0], rel=1e-6)
         assert run[1].keys() == plain[1].keys()
@@ -115,11 +115,10 @@ def test_a_memory_budget_recomputes_inside_the_compiled_blocks_and_saves_what_it
             torch.testing.assert_close(grad, plain[1][name], rtol=1e-5, atol=1e-7, msg=name)
         assert run[4][0] >= 1 and run[4][1] == 0, run[4]  # compiled, no graph break
     low, half, high = budgets[0.0][2], budgets[0.5][2], plain[2]
-    assert again[2] == high
-    # 0 keeps the blocks' inputs, about what full checkpointing keeps; 0.5 about half of the way to the default.
-    # The partitioner bounds its own estimate (each saved node at its full size), which the saved tensors the hooks
-    # see follow roughly: 0.55 of the way here, 0.49 without the adapters (0.30 at 0.3, 0.67 at 0.7)
-    assert low <= 1.1 * full[2] and low < 0.3 * high, (low, full[2], high)
+    # 0 keeps the blocks' inputs (0.18 of the default here; full checkpointing inside compile 0.19); 0.5 about half
+    # of the way. The partitioner bounds its own estimate (each saved node at its full size), which the saved
+    # tensors the hooks see follow roughly: 0.49 of the way here (0.30 at 0.3, 0.67 at 0.7), 0.55 with LoRA
+    assert low < 0.25 * high, (low, high)
     assert 0.35 < (half - low) / (high - low) < 0.65, (low, half, high)
 
 
