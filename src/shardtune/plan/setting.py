@@ -94,6 +94,12 @@ class Setting:
         return 1.0 - self.memory_budget
 
     @property
+    def recompute_share(self) -> float:
+        """The share of each block's forward that backward runs again: all of it under full checkpointing,
+        budget_recompute under a memory budget, else none (selective checkpointing counts its own)."""
+        return 1.0 if self.activation_checkpointing == "full" else self.budget_recompute
+
+    @property
     def rules(self) -> Any:
         """The planner's model of this setting's backend (plan/backends.py)."""
         from shardtune.plan.backends import RULES

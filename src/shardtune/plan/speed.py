@@ -121,16 +121,15 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
     12·L·h·s). Frozen weights (LoRA, QLoRA) cost forward + input gradient: 4 per weight; adapters 6.
     Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s; inside the compiled
     backward (Setting.checkpoint_traced) the recompute leaves out what no gradient reads, the down projection
-    (the block's output): - 2·L·h·f; selective checkpointing only the k, o and up projections: + 2·L·h·(k + h + f)."""
+    (the block's output): - 2·L·h·f; a memory budget's recompute at most (1 - budget) of that traced one;
+    selective checkpointing only the k, o and up projections: + 2·L·h·(k + h + f)."""
     n = m.matmul_params
     attn = 12.0 * m.layers * m.hidden * s.seq_len
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
-    if s.activation_checkpointing == "full":
-        flops += 2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len
-        if s.checkpoint_traced:
-            flops -= 2.0 * m.layers * m.hidden * m.ffn
-    elif s.budget_recompute:  # at most its share of the traced recompute's
-        flops += s.budget_recompute * 2.0 * m.layers * (m.block_params - m.hidden * m.ffn + 2.0 * m.hidden * s.seq_len)
+    if share := s.recompute_share:  # a memory budget's: at most its share of the traced recompute's
+        flops += share * (2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len)
+        if s.checkpoint_traced or s.budget_recompute:  # inside the compiled backward
+            flops -= share * 2.0 * m.layers * m.hidden * m.ffn
     elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
         flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
     return flops
@@ -139,8 +138,7 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
 def attention_flops_per_token(m: ModelShape, s: Setting) -> tuple[float, float]:
     """(counted, run): the attention scores and values in train_flops_per_token (12·L·h·s, + 4·L·h·s when full
     checkpointing runs the forward again) and what the kernel runs of them (CAUSAL_SHARE unless eager)."""
-    counted = (16.0 if s.activation_checkpointing == "full" else 12.0 + 4.0 * s.budget_recompute) * (
-        m.layers * m.hidden * s.seq_len)
+    counted = (12.0 + 4.0 * s.recompute_share) * m.layers * m.hidden * s.seq_len
     return counted, counted * (1.0 if s.attn == "eager" else CAUSAL_SHARE)
 
 
@@ -278,7 +276,7 @@ def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float, hw: 
     gradients eager LoRA forms and drops, plus the per-pass casts a kept float8 base does not make;
     `seconds_per_flop_token` = tokens / bf16 rate."""
     frozen = s.peft != "none"
-    per_weight = (4.0 if frozen else 6.0) + 2.0 * (1.0 if s.activation_checkpointing == "full" else s.budget_recompute)
+    per_weight = (4.0 if frozen else 6.0) + 2.0 * s.recompute_share
     linear = per_weight * m.layers * m.block_params * seconds_per_flop_token
     saving = linear * (1.0 - 1.0 / FLOAT8_SPEEDUP[(s.float8, "peft" if frozen else "full")])
     if frozen and not s.compile and not s.base_float8:  # its kept casts skip the weights' gradients
