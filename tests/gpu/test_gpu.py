@@ -280,6 +280,35 @@ def test_activation_offload_on_the_gpu_keeps_the_loss_and_gradients(checkpointin
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_memory_budget_holds_less_after_the_forward_with_the_same_gradients_on_the_gpu():
+    """parallel.activation_memory_budget on the GPU (Triton kernels, flash attention): the tiny model in fp32,
+    compiled blocks; what the forward leaves allocated (the saved activations) falls with the budget, and the loss
+    and gradients are those of no budget."""
+    import torch._functorch.config as functorch_config
+
+    ids = torch.randint(0, 250, (8, 512), generator=torch.Generator().manual_seed(1)).cuda()
+    results = {}
+    with functorch_config.patch(activation_memory_budget=1.0):
+        for budget in (None, 0.5, 0.0):
+            extra = [] if budget is None else [f"parallel.activation_memory_budget={budget}"]
+            model, _, _ = offload_test_model(["parallel.compile=true", *extra], "cuda")
+            for _ in range(2):  # the first compiles
+                model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                loss = model(input_ids=ids, labels=ids).loss
+                held = torch.cuda.memory_allocated() - before
+                loss.backward()
+            results[budget] = (float(loss), held, {n: p.grad.clone() for n, p in model.named_parameters()})
+    (plain_loss, plain_held, plain_grads) = results[None]
+    assert results[0.0][1] < results[0.5][1] < plain_held, {b: r[1] for b, r in results.items()}
+    for budget in (0.5, 0.0):
+        loss, _, grads = results[budget]
+        assert loss == pytest.approx(plain_loss, rel=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_the_compiled_update_trains_as_fused_adamw_on_the_gpu(tmp_path):
     """optim.fused: compiled on the direct path (bf16, one micro-batch: the update reads the bf16 gradients) against
     torch's fused AdamW, 20 steps of tiny-llama: the same losses to bf16's rounding (CPU: 1e-5 over 4 steps; the two
