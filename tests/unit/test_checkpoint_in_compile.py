@@ -133,6 +133,11 @@ def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"activation_memory_budget") as err:
         load_config(TINY, ["parallel.compile=true", "parallel.activation_memory_budget=1.5"])
     assert "\n" not in str(err.value)
+    # the offload's hooks need a checkpoint's saved block inputs: the fix names the budget to remove
+    cfg = load_config(TINY, ["parallel.compile=true", "parallel.activation_memory_budget=0.5",
+                             "parallel.activation_offload=true"])
+    with pytest.raises(ShardtuneError, match=r"activation_checkpointing=full \(and remove parallel\.activation_memory"):
+        check_combination(cfg)
     cfg = load_config(TINY, ["parallel.compile=true", "parallel.checkpoint_in_compile=true",
                              "parallel.activation_checkpointing=full", "parallel.activation_offload=true"])
     with pytest.raises(ShardtuneError, match="activation_offload cannot move them") as err:

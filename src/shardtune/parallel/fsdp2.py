@@ -128,9 +128,10 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     if p.activation_offload and p.compile and p.activation_checkpointing == "none":
         # With checkpointing the hooks see only what the checkpoint saves, the blocks' inputs, outside the
         # compiled code; without it they would run inside the compiled blocks, which Dynamo does not trace.
+        budget = " (and remove parallel.activation_memory_budget)" if p.activation_memory_budget is not None else ""
         raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true needs activation "
                              "checkpointing (the offload hooks would run inside the compiled blocks); set "
-                             "parallel.activation_checkpointing=full, or parallel.compile=false")
+                             f"parallel.activation_checkpointing=full{budget}, or parallel.compile=false")
 
 
 def may_run_direct(cfg: Config, world: int | None) -> bool:
