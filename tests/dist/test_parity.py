@@ -14,9 +14,10 @@ from conftest import LAYERS, PROJECTIONS, assert_same_gradients, max_diff, worke
 pytestmark = pytest.mark.dist
 
 # zero3:ac:compile: the checkpoint inside each compiled block (checkpoint_in_compile: auto); :around, FSDP2's
-# hooks outside the checkpoint around each compiled block
+# hooks outside the checkpoint around each compiled block; zero3:compile:budget, compile's partitioner recomputing
+# under parallel.activation_memory_budget 0.3
 FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile", "zero3:ac:compile:around",
-        "zero3:dir"]
+        "zero3:compile:budget", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
 LORA = ["ddp:lora", "zero2:lora", "zero3:lora"]
@@ -245,6 +246,7 @@ def test_compile_produces_compiled_graphs(results):
     assert two["zero3:compile"]["compiled_graphs"] > 0 and two["_one_compile"]["compiled_graphs"] > 0
     # under checkpointing too, around and inside (transformers 5.25's own checkpoint had left every block eager)
     assert two["zero3:ac:compile"]["compiled_graphs"] > 0 and two["zero3:ac:compile:around"]["compiled_graphs"] > 0
+    assert two["zero3:compile:budget"]["compiled_graphs"] > 0
     assert two["zero3"]["compiled_graphs"] == 0
     assert_same_gradients(ref, two["_one_compile"])  # compiled on one process too (whose graphs the two ranks reuse)
 

@@ -49,6 +49,7 @@ BASE = {
 OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
            "around": "parallel.checkpoint_in_compile=false",
+           "budget": "parallel.activation_memory_budget=0.3",
            "packed": "data.packing=true train.seq_len=64",
            "lora": "peft.method=lora peft.r=8 peft.alpha=16",
            "qlora": "peft.method=qlora peft.r=8 peft.alpha=16",
