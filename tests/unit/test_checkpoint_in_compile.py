@@ -35,11 +35,17 @@ def _saved_bytes(model, ids) -> int:
     return total
 
 
+_RUNS: dict[tuple[tuple[str, ...], bool], tuple] = {}  # this module's runs, made once (they are only read)
+
+
 def _run(overrides: list[str], lora: bool):
     # the setting prepare makes for the checkpoint inside: off at the start of every run, so that a run that
     # needs it and does not set it shows its graph break whatever ran before
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
-        return _run_once(overrides, lora)
+    key = (tuple(overrides), lora)
+    if key not in _RUNS:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+            _RUNS[key] = _run_once(overrides, lora)
+    return _RUNS[key]
 
 
 def _run_once(overrides: list[str], lora: bool):

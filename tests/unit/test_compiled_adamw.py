@@ -6,6 +6,7 @@ refusals where it does not run."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -141,8 +142,26 @@ def fused_runs(tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """Per case, a run with the compiled update stopped after step 2 (its checkpoint), copied by each test that
+    resumes it."""
+    from conftest import run_cli
+
+    base = tmp_path_factory.mktemp("compiled_adamw_stopped")
+    runs = {}
+    for precision, accum in CASES:
+        out = base / f"{precision}{accum}"
+        proc = run_cli("train", TINY, *RUN, f"train.precision={precision}", f"train.grad_accum={accum}",
+                       "optim.fused=compiled", "train.stop_after_step=2", "--output-dir", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[precision, accum] = out
+    return runs
+
+
 @pytest.mark.parametrize("precision, accum, then", [(*case, "auto") for case in CASES] + [("bf16", 1, "compiled")])
-def test_a_run_trains_as_with_the_fused_kernel_and_resumes(cli, fused_runs, tmp_path, precision, accum, then):
+def test_a_run_trains_as_with_the_fused_kernel_and_resumes(cli, fused_runs, stopped_runs, tmp_path, precision,
+                                                           accum, then):
     # Stopped at step 2 and resumed with the fused kernel (the state is torch's), or with the compiled update
     # again. In bf16 the two updates' fp32 rounding can turn a weight's bf16 copy one unit the other way: the loss
     # after the first update (step 2) stays within 1e-6 (measured 8e-8; an lr 1% off moves it by 1e-5 with one
@@ -151,9 +170,8 @@ def test_a_run_trains_as_with_the_fused_kernel_and_resumes(cli, fused_runs, tmp_
     # (measured 1.3e-4 and 7.6e-4). fp32 computes with the masters, to 1e-6. The exact parts are pinned by the unit
     # tests above.
     out = tmp_path / "run"
+    shutil.copytree(stopped_runs[precision, accum], out)
     args = [*RUN, f"train.precision={precision}", f"train.grad_accum={accum}", "--output-dir", str(out)]
-    first = cli("train", TINY, *args, "optim.fused=compiled", "train.stop_after_step=2")
-    assert first.returncode == 0, first.stderr[-3000:]
     resumed = cli("train", TINY, *args, f"optim.fused={then}", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got, want = _records(out), fused_runs[precision, accum]
