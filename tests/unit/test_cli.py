@@ -149,6 +149,7 @@ def test_plan_summary_names_the_activation_memory_budget(cli):
     proc = cli("plan", TINY, "parallel.compile=true", "parallel.activation_memory_budget=0.5")
     assert proc.returncode == 0, proc.stderr
     assert "activation checkpointing none, compile, activation memory budget 0.5" in proc.stdout, proc.stdout
+    assert " b0.5 " in proc.stdout  # the candidates without checkpointing run under it, and the table says so
 
 
 def test_plan_summary_deepspeed(cli):
