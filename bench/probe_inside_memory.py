@@ -9,6 +9,7 @@ Inductor plans buffers with the same scheduler as on GPUs, so the ordering of th
 kernels and fusions differ.
 
     python3 bench/probe_inside_memory.py [--hidden 4096 --ffn 14336 --tokens 1024] [--runs eager,around,inside]
+    (also none, and b5 / b3 / b0: no checkpoint, parallel.activation_memory_budget 0.5 / 0.3 / 0)
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ RUNS = {
     "around": {"compile": True, "activation_checkpointing": "full", "checkpoint_in_compile": False},
     "inside": {"compile": True, "activation_checkpointing": "full", "checkpoint_in_compile": True},
     "none": {"compile": True, "activation_checkpointing": "none"},
+    # parallel.activation_memory_budget: the partitioner's own recompute (thirty-first session)
+    "b5": {"compile": True, "activation_checkpointing": "none", "activation_memory_budget": 0.5},
+    "b3": {"compile": True, "activation_checkpointing": "none", "activation_memory_budget": 0.3},
+    "b0": {"compile": True, "activation_checkpointing": "none", "activation_memory_budget": 0.0},
 }
 
 
