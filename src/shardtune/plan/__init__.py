@@ -189,7 +189,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p, t = new.parallel, new.train
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     # first: a searched variant with checkpointing (or without compile) runs without the config's budget
-    p.activation_memory_budget = s.memory_budget if s.compile and s.activation_checkpointing == "none" else None
+    p.activation_memory_budget = s.memory_budget if s.budget_applies else None
     p.activation_checkpointing, p.activation_offload = s.activation_checkpointing, s.activation_offload
     p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
     _say_shard_frozen(p, s)

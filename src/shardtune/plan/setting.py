@@ -89,9 +89,12 @@ class Setting:
         priced at full checkpointing's plus the budget's share of the rest (the partitioner bounds its own estimate
         so), its recompute at this share of full checkpointing's inside the compiled backward: an upper bound, as
         the partitioner recomputes the cheapest bytes first (a knapsack: the cost is convex in the budget)."""
-        if self.memory_budget is None or not self.compile or self.activation_checkpointing != "none":
-            return 0.0
-        return 1.0 - self.memory_budget
+        return 1.0 - self.memory_budget if self.budget_applies else 0.0
+
+    @property
+    def budget_applies(self) -> bool:
+        """parallel.activation_memory_budget is set and runs here: compiled blocks, no checkpointing."""
+        return self.memory_budget is not None and self.compile and self.activation_checkpointing == "none"
 
     @property
     def recompute_share(self) -> float:
