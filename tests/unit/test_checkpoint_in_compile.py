@@ -128,6 +128,25 @@ def test_a_memory_budget_recomputes_inside_the_compiled_blocks_and_saves_what_it
     assert 0.35 < (half - low) / (high - low) < 0.65, (low, half, high)
 
 
+def test_a_budget_changed_in_one_process_applies_to_the_blocks_compiled_next() -> None:
+    # Dynamo's guards leave the budget out: without the reset prepare makes when the value changes, the second
+    # model's blocks ran the first one's compiled code and kept its bytes (found on the GPU, call 89)
+    import torch._functorch.config as functorch_config
+
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+    saved = []
+    try:
+        with functorch_config.patch(activation_memory_budget=1.0):
+            torch.compiler.reset()
+            for extra in ([], ["parallel.activation_memory_budget=0.0"]):
+                model, _, _ = offload_test_model(["parallel.compile=true", *extra])
+                model(input_ids=ids, labels=ids).loss.backward()  # compiles
+                saved.append(_saved_bytes(model, ids))
+    finally:
+        torch.compiler.reset()  # patch puts 1.0 back without a prepare: drop the budget-0 code
+    assert saved[1] < 0.5 * saved[0], saved
+
+
 def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"parallel\.checkpoint_in_compile needs parallel\.compile=true"):
         load_config(TINY, ["parallel.checkpoint_in_compile=true"])

@@ -357,10 +357,15 @@ def set_memory_budget(budget: float | None) -> None:
     """parallel.activation_memory_budget for the blocks compiled next. torch reads it when it partitions a compiled
     forward and its backward (at the first call), from one process-wide setting (torch 2.11 has no per-graph
     form), so it covers every compiled graph of the run, and each prepare sets it: torch's default (1.0) where
-    unset. Its value is part of AOTAutograd's cache key."""
+    unset. Its value is part of AOTAutograd's cache key but not of Dynamo's guards: a block compiled earlier in
+    this process under another value would be reused with that one's partition (the GPU test's three models in
+    one process kept the same bytes), so a change of value resets torch.compile's caches first."""
     import torch._functorch.config as functorch_config
 
-    functorch_config.activation_memory_budget = 1.0 if budget is None else float(budget)
+    value = 1.0 if budget is None else float(budget)
+    if functorch_config.activation_memory_budget != value:
+        torch.compiler.reset()
+    functorch_config.activation_memory_budget = value
 
 
 def compile_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
