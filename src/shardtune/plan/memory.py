@@ -16,6 +16,7 @@ to measurements on one H200 (bench/RESULTS.md, "planner accuracy"); never to a s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from shardtune.models.facts import LLAMA_LINEARS
@@ -54,6 +55,17 @@ CACHED_TRANSIENTS = 3.7
 # both recipes); it predicts 8B LoRA's recomputed block 0.17 GiB smaller, measured 0.18 (tensorwise; rowwise 0.00).
 # Eager float8 saves its bf16 inputs: no change.
 FLOAT8_ACTIVATIONS = 0.676
+# ... but not with LoRA's frozen float8 base in blocks that keep their activations (no checkpointing, or a
+# memory budget's share): the adapters read each projection's bf16 input in backward, so no float8 copy replaces
+# it. 8B LoRA float8 at micro-batch 2 without checkpointing (one H100, call 91) peaked 28.21 GiB: 19.0 GiB of
+# saved activations, 1.116 x the compiled bf16 count (FLOAT8_ACTIVATIONS said 11.5). Fitted on that one row.
+PEFT_FLOAT8_SAVED = 1.116
+# parallel.activation_memory_budget: the share of the way from full checkpointing's saved bytes (0) to none's (1)
+# compile's partitioner keeps at each budget, read between these points. 8B LoRA float8 at micro-batch 2 on one
+# H100 (calls 89 and 91: 11.25 GiB at 0, 14.39 at 0.1, 17.52 at 0.3, 20.04 at 0.5, 28.21 without a budget):
+# above the budget below 0.5 (it keeps the cheapest bytes to save first); a CPU probe without adapters kept 0.30
+# / 0.49 / 0.67 at 0.3 / 0.5 / 0.7 (tests/unit/test_checkpoint_in_compile.py), so the GPU points err high there.
+BUDGET_KEPT = ((0.0, 0.0), (0.1, 0.185), (0.3, 0.37), (0.5, 0.52), (1.0, 1.0))
 # Compiled blocks under checkpointing: the recomputed block's backward (one Inductor graph) holds more than the
 # eager count above, by about 3.6 x p x f per token: 8B LoRA at 4,096 tokens 0.39 GiB over (3.56, calls 38-66, seven
 # rows), 8B QLoRA at 131,072 tokens with activation offload 12.95 GiB over (3.70, an H100, call 76, bench/RESULTS.md
@@ -130,6 +142,14 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     return float(total)
 
 
+def budget_kept_share(budget: float) -> float:
+    """BUDGET_KEPT read at `budget` (piecewise linear)."""
+    for (b0, k0), (b1, k1) in itertools.pairwise(BUDGET_KEPT):
+        if budget <= b1:
+            return k0 + (k1 - k0) * (budget - b0) / (b1 - b0)
+    return 1.0
+
+
 def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     """(saved through the whole forward, extra while one block is recomputed in backward), bytes.
 
@@ -141,12 +161,14 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     block_input = float(s.compute_bytes * m.hidden * s.tokens)
     if s.activation_checkpointing == "full":
         return m.layers * block_input, per_layer
-    if s.budget_recompute:  # parallel.activation_memory_budget: between full checkpointing's and none's
-        kept = block_input + (1.0 - s.budget_recompute) * max(0.0, per_layer - block_input)
-        return m.layers * kept, per_layer - kept
     if s.activation_checkpointing == "selective":
         kept = selective_bytes_per_token_layer(m, s) * s.tokens
         return m.layers * kept, max(0.0, per_layer - kept)
+    if s.peft != "none" and s.float8 != "false" and s.compile:  # the whole block kept: no float8 saving
+        per_layer *= PEFT_FLOAT8_SAVED / FLOAT8_ACTIVATIONS
+    if s.budget_recompute:  # parallel.activation_memory_budget: between full checkpointing's and none's
+        kept = block_input + budget_kept_share(s.memory_budget) * max(0.0, per_layer - block_input)
+        return m.layers * kept, per_layer - kept
     return m.layers * per_layer, 0.0
 
 
