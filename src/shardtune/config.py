@@ -278,7 +278,9 @@ class OptimConfig(_Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a fraction of train.lr.")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Clip the global grad norm; 0 disables clipping.")
     fused: bool | Literal["auto", "compiled"] = Field(
-        "auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under FSDP2 sharding (foreach). "
+        "auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under FSDP2 sharding (foreach), "
+                            "and compiled on a GPU where it was measured faster (the one-GPU direct path, AdamW, bf16 "
+                            "full fine-tuning with parallel.compile, one micro-batch a step). "
                             "compiled: on the one-GPU direct path (parallel.one_gpu), the gradient norm, clipping, "
                             "AdamW and the cast to the compute-dtype weights as torch.compile'd code, reading "
                             "a step's only micro-batch's gradients in the compute dtype (no fp32 gradients).")

@@ -65,6 +65,10 @@ FLOAT8_BASE_AUTO_CALL = 75
 # session); earlier compiled rows under checkpointing ran with the checkpoint around the blocks unless their
 # overrides say otherwise.
 CKPT_INSIDE_AUTO_CALL = 85
+# optim.fused: auto takes the compiled update (bf16 full fine-tuning with compiled blocks on the one-GPU direct path,
+# one micro-batch a step) after call 91 (thirty-second session); earlier rows ran torch's fused AdamW unless their
+# overrides say otherwise.
+COMPILED_UPDATE_AUTO_CALL = 92
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -98,6 +102,8 @@ def _predictions() -> list[tuple[dict, object]]:
         if int(row["call"]) < CKPT_INSIDE_AUTO_CALL and not any(o.startswith("parallel.checkpoint_in_compile=")
                                                                for o in overrides):
             overrides = ["parallel.checkpoint_in_compile=false", *overrides]
+        if int(row["call"]) < COMPILED_UPDATE_AUTO_CALL and not any(o.startswith("optim.fused=") for o in overrides):
+            overrides = ["optim.fused=true", *overrides]
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured

@@ -36,7 +36,7 @@ class Setting:
     base_dtype: str = "auto"
     dora: bool = False  # peft.use_dora
     optim: str = "adamw"
-    compiled_update: bool = False  # optim.fused: compiled (update_compiled: whether it applies here)
+    compiled_update: bool = False  # optim.fused: compiled, or auto where it takes it (update_compiled: applies here)
     offload_embedding: bool = False  # peft.offload_embedding (embedding_on_host: whether it applies here)
     attn: str = "sdpa"
     packing: bool = False
@@ -178,7 +178,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
     kernels go in as models.liger_rules.liger_kernels_wanted says."""
     from shardtune.models.liger_rules import chunk_tokens, head_adapted, liger_kernels_wanted
-    from shardtune.parallel.fsdp2 import frozen_whole
+    from shardtune.parallel.fsdp2 import frozen_whole, update_compiled
 
     p, t = cfg.parallel, cfg.train
     return Setting(
@@ -191,7 +191,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
-        compiled_update=cfg.optim.fused == "compiled", offload_embedding=cfg.peft.offload_embedding,
+        compiled_update=update_compiled(cfg), offload_embedding=cfg.peft.offload_embedding,
         attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
