@@ -278,12 +278,14 @@ def test_auto_takes_the_compiled_update_where_it_was_measured_faster() -> None:
     # optim.fused: auto on a GPU: bf16 full fine-tuning with compiled blocks, one micro-batch a step (the 1B shape on
     # one H100: +5.3% / +5.1%, calls 87-88); elsewhere torch's fused AdamW as before. The planner prices the same.
     from shardtune.parallel.fsdp2 import describe, update_compiled
+    from shardtune.plan import describe as plan_describe
     from shardtune.plan.setting import setting_from_config
 
     base = ["train.precision=bf16", "parallel.strategy=zero2", "parallel.compile=true"]
     cfg = load_config(TINY, base)
     assert update_compiled(cfg, on_gpu=True) and not update_compiled(cfg, on_gpu=False)
     assert setting_from_config(cfg, 1, 1).update_compiled
+    assert "one_gpu direct), the compiled update" in plan_describe(setting_from_config(cfg, 1, 1))
     assert "the compiled update (optim.fused: auto, on a GPU)" in describe(cfg, 1)
     for other in ("parallel.compile=false", "train.precision=fp32", "train.grad_accum=2", "peft.method=lora",
                   "optim.fused=true", "optim.name=adamw8bit"):
