@@ -112,7 +112,7 @@ class Memory:
         return sum(self.host.values())
 
 
-def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
+def activation_bytes_per_token_layer(m: ModelShape, s: Setting, *, kept: bool = False) -> float:
     """Bytes autograd saves per token in one decoder block without checkpointing (Llama-style block:
     RMSNorm, attention with rotary embeddings and grouped KV heads, SwiGLU MLP).
 
@@ -129,7 +129,9 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
     Eager attention also keeps the fp32 softmax and its compute-dtype copy: (4 + p) x a x s.
     Compiled blocks fuse each norm (it saves its input, ph, instead of the fp32 copy: -8h) and SiLU * up
     (the SiLU output is recomputed: -pf); Liger's RMSNorm and SwiGLU kernels save the same.
-    Checked against autograd's saved tensors of a real block on CPU (tests/unit/test_plan.py)."""
+    Checked against autograd's saved tensors of a real block on CPU (tests/unit/test_plan.py). `kept`: a block
+    that keeps them through the forward (no checkpointing), not the one a backward recomputes: compiled LoRA
+    blocks in float8 save more there (PEFT_FLOAT8_SAVED)."""
     p, h, k, f, a = s.compute_bytes, m.hidden, m.kv_dim, m.ffn, m.heads
     total = 8 * h + 6 * p * h + 2 * p * k + 4 * p * f + 4 * a
     if s.attn == "eager":
@@ -138,7 +140,7 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting) -> float:
         total -= 8 * h + p * f
     total += s.rules.residual_bytes(m, s)  # DDP's autocast: an fp32 residual stream
     if s.float8 != "false" and s.compile:
-        total *= FLOAT8_ACTIVATIONS
+        total *= PEFT_FLOAT8_SAVED if kept and s.peft != "none" else FLOAT8_ACTIVATIONS
     return float(total)
 
 
@@ -157,19 +159,18 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     only its input (p*h per token) and backward recomputes one block at a time; selective checkpointing keeps
     the outputs of the attention kernel and of every other matmul (selective_bytes_per_token_layer) and
     recomputes the rest of one block at a time."""
-    per_layer = activation_bytes_per_token_layer(m, s) * s.tokens
     block_input = float(s.compute_bytes * m.hidden * s.tokens)
-    if s.activation_checkpointing == "full":
-        return m.layers * block_input, per_layer
-    if s.activation_checkpointing == "selective":
+    if s.activation_checkpointing != "none":
+        recomputed = activation_bytes_per_token_layer(m, s) * s.tokens
+        if s.activation_checkpointing == "full":
+            return m.layers * block_input, recomputed
         kept = selective_bytes_per_token_layer(m, s) * s.tokens
-        return m.layers * kept, max(0.0, per_layer - kept)
-    if s.peft != "none" and s.float8 != "false" and s.compile:  # the whole block kept: no float8 saving
-        per_layer *= PEFT_FLOAT8_SAVED / FLOAT8_ACTIVATIONS
+        return m.layers * kept, max(0.0, recomputed - kept)
+    whole = activation_bytes_per_token_layer(m, s, kept=True) * s.tokens
     if s.budget_recompute:  # parallel.activation_memory_budget: between full checkpointing's and none's
-        kept = block_input + budget_kept_share(s.memory_budget) * max(0.0, per_layer - block_input)
-        return m.layers * kept, per_layer - kept
-    return m.layers * per_layer, 0.0
+        kept = block_input + budget_kept_share(s.memory_budget) * max(0.0, whole - block_input)
+        return m.layers * kept, whole - kept
+    return m.layers * whole, 0.0
 
 
 def backward_transient(m: ModelShape, s: Setting) -> float:
