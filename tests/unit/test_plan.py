@@ -169,6 +169,29 @@ def test_lora_blocks_in_float8_that_keep_their_activations_save_the_adapters_bf1
     assert activations(eight_b, whole)[0] == pytest.approx(0.676 * activations(eight_b, bf16)[0])
 
 
+def test_the_search_prices_memory_budgets_and_picks_one_where_none_does_not_fit() -> None:
+    """With compiled blocks and the checkpointing left to the planner, budgets 0.3 and 0.5 are priced beside none,
+    selective and full; on a GPU where none does not fit and 0.5 does, the pick is 0.5 (faster than full and
+    selective), and the resolved config and the workers' overrides carry it."""
+    from shardtune.plan import auto_overrides
+
+    cfg = _cfg("model.preset=llama-3-8b", "peft.method=lora", "train.float8=tensorwise", "parallel.compile=true",
+               "parallel.strategy=auto", "train.micro_batch_size=2")
+    small = replace(lookup("h100"), memory_bytes=32 * GIB)
+    resolved, plan = resolve_auto(cfg, preset_config("llama-3-8b"), small, world=1, per_node=1)
+    priced = {(c.setting.activation_checkpointing, c.setting.memory_budget) for c in plan.result.candidates}
+    assert priced >= {("none", None), ("selective", None), ("full", None), ("none", 0.3), ("none", 0.5)}
+    chosen = plan.chosen().setting
+    assert (chosen.activation_checkpointing, chosen.memory_budget) == ("none", 0.5), chosen
+    assert resolved.parallel.activation_checkpointing == "none" and resolved.parallel.activation_memory_budget == 0.5
+    assert "parallel.activation_memory_budget=0.5" in auto_overrides(resolved, plan.auto)
+    on_h100 = resolve_auto(cfg, preset_config("llama-3-8b"), lookup("h100"), world=1, per_node=1)[0]
+    assert on_h100.parallel.activation_memory_budget is None  # none fits there, and is faster
+    eager = resolve_auto(_cfg("model.preset=llama-3-8b", "peft.method=lora", "parallel.strategy=auto",
+                              "train.micro_batch_size=2"), preset_config("llama-3-8b"), small, world=1, per_node=1)[1]
+    assert all(c.setting.memory_budget is None for c in eager.result.candidates)  # a budget needs compile
+
+
 def test_selective_checkpointing_sits_between_none_and_full(one_b: ModelShape, eight_b: ModelShape) -> None:
     """parallel/prepare.py keeps the block input, the q, v, gate and down outputs and the attention output and
     log-sum-exp: p(4h + k + f) + 4a bytes per token and block; it recomputes the k, o and up projections."""

@@ -188,9 +188,8 @@ def config_for(cfg: Any, s: Setting) -> Any:
     new = cfg.model_copy(deep=True)
     p, t = new.parallel, new.train
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
-    # first: a searched variant with checkpointing (or without compile) runs without the config's budget
-    p.activation_memory_budget = s.memory_budget if s.budget_applies else None
-    p.activation_checkpointing, p.activation_offload = s.activation_checkpointing, s.activation_offload
+    set_checkpointing(p, s)
+    p.activation_offload = s.activation_offload
     p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
     _say_shard_frozen(p, s)
     if s.offload == "none" or not s.nvme:
@@ -201,6 +200,18 @@ def config_for(cfg: Any, s: Setting) -> Any:
     if not s.rules.keeps_deepspeed_section:
         new.deepspeed = {}
     return new
+
+
+def set_checkpointing(parallel: Any, s: Setting) -> None:
+    """parallel.activation_checkpointing and activation_memory_budget as the setting runs them (a searched variant
+    with checkpointing, or without compile, runs without a budget), in the order the config's check allows: never
+    a budget beside checkpointing."""
+    if s.budget_applies:
+        parallel.activation_checkpointing = s.activation_checkpointing
+        parallel.activation_memory_budget = s.memory_budget
+    else:
+        parallel.activation_memory_budget = None
+        parallel.activation_checkpointing = s.activation_checkpointing
 
 
 def _say_shard_frozen(parallel: Any, s: Setting) -> None:
@@ -220,6 +231,8 @@ def free_knobs(cfg: Any) -> set[str]:
                                                   if cfg.parallel.activation_memory_budget is not None else set())
         free |= {k for k in ("backend", "offload", "activation_checkpointing", "activation_offload")
                  if k not in chosen}
+        if "activation_checkpointing" in free:
+            free.add("memory_budget")  # a budget is a way of checkpointing (none with compile's recompute)
         if cfg.parallel.shard_frozen == "auto":
             free.add("shard_frozen")
     if cfg.train.micro_batch_size == "auto":
@@ -399,8 +412,8 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
     new = cfg.model_copy(deep=True)
     if "parallel.strategy" in auto:
         new.parallel.backend, new.parallel.strategy = s.backend, s.strategy
-        new.parallel.offload, new.parallel.activation_checkpointing = s.offload, s.activation_checkpointing
-        new.parallel.activation_offload = s.activation_offload
+        new.parallel.offload, new.parallel.activation_offload = s.offload, s.activation_offload
+        set_checkpointing(new.parallel, s)
         _say_shard_frozen(new.parallel, s)
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
@@ -416,6 +429,8 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
                 f"parallel.activation_checkpointing={p.activation_checkpointing}",
                 f"parallel.activation_offload={str(p.activation_offload).lower()}",
                 f"parallel.shard_frozen={str(p.shard_frozen).lower()}"]
+        if p.activation_memory_budget is not None:
+            out.append(f"parallel.activation_memory_budget={p.activation_memory_budget:g}")
     if "train.micro_batch_size" in auto:
         out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return out
