@@ -175,8 +175,9 @@ def test_the_search_prices_memory_budgets_and_picks_one_where_none_does_not_fit(
     selective), and the resolved config and the workers' overrides carry it."""
     from shardtune.plan import auto_overrides
 
-    cfg = _cfg("model.preset=llama-3-8b", "peft.method=lora", "train.float8=tensorwise", "parallel.compile=true",
-               "parallel.strategy=auto", "train.micro_batch_size=2")
+    given = ["model.preset=llama-3-8b", "peft.method=lora", "train.float8=tensorwise", "parallel.compile=true",
+             "parallel.strategy=auto", "train.micro_batch_size=2"]
+    cfg = _cfg(*given)
     small = replace(lookup("h100"), memory_bytes=32 * GIB)
     resolved, plan = resolve_auto(cfg, preset_config("llama-3-8b"), small, world=1, per_node=1)
     priced = {(c.setting.activation_checkpointing, c.setting.memory_budget) for c in plan.result.candidates}
@@ -185,6 +186,9 @@ def test_the_search_prices_memory_budgets_and_picks_one_where_none_does_not_fit(
     assert (chosen.activation_checkpointing, chosen.memory_budget) == ("none", 0.5), chosen
     assert resolved.parallel.activation_checkpointing == "none" and resolved.parallel.activation_memory_budget == 0.5
     assert "parallel.activation_memory_budget=0.5" in auto_overrides(resolved, plan.auto)
+    worker = _cfg(*given, *auto_overrides(resolved, plan.auto))  # what the launcher's workers load
+    assert worker.parallel.activation_checkpointing == "none" and worker.parallel.activation_memory_budget == 0.5
+    assert worker.parallel.strategy == chosen.strategy
     on_h100 = resolve_auto(cfg, preset_config("llama-3-8b"), lookup("h100"), world=1, per_node=1)[0]
     assert on_h100.parallel.activation_memory_budget is None  # none fits there, and is faster
     eager = resolve_auto(_cfg("model.preset=llama-3-8b", "peft.method=lora", "parallel.strategy=auto",
