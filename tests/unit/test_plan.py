@@ -196,6 +196,19 @@ def test_the_search_prices_memory_budgets_and_picks_one_where_none_does_not_fit(
     assert all(c.setting.memory_budget is None for c in eager.result.candidates)  # a budget needs compile
 
 
+def test_a_fix_for_a_budget_that_does_not_fit_unsets_it() -> None:
+    # checkpointing beside a budget is refused at load: the fix that checkpoints says to unset the budget (null)
+    given = ["model.preset=llama-3-8b", "peft.method=lora", "train.float8=tensorwise", "parallel.compile=true",
+             "parallel.activation_memory_budget=0.5", "parallel.strategy=zero2", "train.micro_batch_size=2"]
+    small = replace(lookup("h100"), memory_bytes=22 * GIB)
+    plan = make_plan(_cfg(*given), preset_config("llama-3-8b"), small, world=1, per_node=1)
+    line = refusal(plan)
+    assert line and "parallel.activation_checkpointing=full parallel.activation_memory_budget=null fits" in line, line
+    fix = line.split(": ", 1)[1].split(" fits")[0].split()
+    fixed = _cfg(*given, *fix)
+    assert fixed.parallel.activation_checkpointing == "full" and fixed.parallel.activation_memory_budget is None
+
+
 def test_selective_checkpointing_sits_between_none_and_full(one_b: ModelShape, eight_b: ModelShape) -> None:
     """parallel/prepare.py keeps the block input, the q, v, gate and down outputs and the attention output and
     log-sum-exp: p(4h + k + f) + 4a bytes per token and block; it recomputes the k, o and up projections."""

@@ -335,8 +335,8 @@ def refusal(plan: Plan) -> str | None:
         fixes = (fixes + _smaller_micro_batches(plan))[:2]
     if not fixes:
         return f"{head}: nothing the planner tried fits; use more GPUs{_peft_hint(plan)}{logits_hint(plan)}, or --force"
-    said = [" ".join(f"{k}={v}" for k, v in diff.items()) + f" fits ({c.memory.total / GIB:.0f} GiB)"
-            for diff, c in fixes]
+    said = [" ".join(f"{k}={'null' if v is None else v}" for k, v in diff.items())  # null: unset (the budget)
+            + f" fits ({c.memory.total / GIB:.0f} GiB)" for diff, c in fixes]
     return f"{head}: {', or '.join(said)}; --force runs anyway"
 
 

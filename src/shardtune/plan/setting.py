@@ -168,7 +168,8 @@ class Setting:
     def knobs(self) -> dict[str, Any]:
         """The searched knobs, for tables and JSON."""
         return {"backend": self.backend, "strategy": self.strategy, "offload": self.offload,
-                "activation_checkpointing": self.activation_checkpointing, "memory_budget": self.memory_budget,
+                "activation_checkpointing": self.activation_checkpointing,
+                "memory_budget": self.memory_budget if self.budget_applies else None,  # as its config says it
                 "activation_offload": self.activation_offload, "shard_frozen": self.shard_frozen,
                 "micro_batch_size": self.micro_batch_size}
 
