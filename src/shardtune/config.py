@@ -280,7 +280,7 @@ class OptimConfig(_Section):
     fused: bool | Literal["auto", "compiled"] = Field(
         "auto", description="Fused AdamW kernel; auto = on GPU and CPU, except fp16 under FSDP2 sharding (foreach), "
                             "and compiled on a GPU where it was measured faster (the one-GPU direct path, AdamW, bf16 "
-                            "full fine-tuning with parallel.compile, one micro-batch a step). "
+                            "full fine-tuning with parallel.compile, one micro-batch a step, no float8). "
                             "compiled: on the one-GPU direct path (parallel.one_gpu), the gradient norm, clipping, "
                             "AdamW and the cast to the compute-dtype weights as torch.compile'd code, reading "
                             "a step's only micro-batch's gradients in the compute dtype (no fp32 gradients).")

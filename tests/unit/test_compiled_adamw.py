@@ -293,7 +293,7 @@ def test_auto_takes_the_compiled_update_where_it_was_measured_faster() -> None:
     assert "one_gpu direct), the compiled update" in plan_describe(setting_from_config(cfg, 1, 1))
     assert "the compiled update (optim.fused: auto, on a GPU)" in describe(cfg, 1)
     for other in ("parallel.compile=false", "train.precision=fp32", "train.grad_accum=2", "peft.method=lora",
-                  "optim.fused=true", "optim.name=adamw8bit"):
+                  "optim.fused=true", "optim.name=adamw8bit", "train.float8=tensorwise"):
         changed = load_config(TINY, [*base, other])
         assert not update_compiled(changed, on_gpu=True), other
         assert not setting_from_config(changed, 1, 1).update_compiled, other

@@ -200,12 +200,14 @@ def update_compiled(cfg: Config, *, on_gpu: bool = True) -> bool:
     """Whether a run on the one-GPU direct path takes the compiled update (parallel/compiled_adamw.py):
     optim.fused: compiled, or auto where it was measured faster than fused AdamW: AdamW, full fine-tuning in bf16
     with compiled blocks (parallel.compile: true: a run that compiles anyway), one micro-batch a step (the update
-    reads the bf16 gradients as backward made them), on a GPU. The 1B shape on one H100: +5.3% and +5.1% tokens/s
-    (calls 87 and 88, bench/RESULTS.md), the same peak memory and losses to bf16's rounding."""
+    reads the bf16 gradients as backward made them), on a GPU; not with train.float8 (not measured together). The
+    1B shape on one H100: +5.3%, +5.1% and +4.6% tokens/s (calls 87, 88 and 92, bench/RESULTS.md), the same peak
+    memory and losses to bf16's rounding."""
     if cfg.optim.fused == "compiled":
         return True
     return (cfg.optim.fused == "auto" and cfg.optim.name == "adamw" and cfg.parallel.compile
-            and cfg.train.precision == "bf16" and cfg.peft.method == "none" and cfg.train.grad_accum == 1 and on_gpu)
+            and cfg.train.precision == "bf16" and not cfg.train.float8 and cfg.peft.method == "none"
+            and cfg.train.grad_accum == 1 and on_gpu)
 
 
 def keeps_float8_base(parallel: ParallelConfig, world: int) -> bool:
