@@ -184,8 +184,9 @@ class ParallelConfig(_Section):
                     "keeps (0: the block's inputs) to what it keeps by default (1); the rest is recomputed in the "
                     "compiled backward, the cheapest bytes first (torch._functorch.config.activation_memory_budget, "
                     "torchtitan's activation_checkpoint.mode memory_budget). Unset: the default partitioner. The "
-                    "planner prices it between none and full (memory linear in the budget, recompute at most "
-                    "linear); not measured on a GPU yet.")
+                    "planner prices it between none and full from GPU measurements (8B LoRA float8 on one H100: "
+                    "0.3 / 0.5 kept 0.37 / 0.52 of the way, +10% / +14% over full checkpointing) and, under "
+                    "parallel.strategy auto with compiled blocks, tries 0.3 and 0.5.")
     activation_offload: bool = Field(
         False, description="Keep what autograd saves in the decoder in host memory (pinned on GPUs), copied out in "
                            "forward and back in backward (as torch.autograd.graph.save_on_cpu, in power-of-two "

@@ -167,7 +167,7 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
         kept = selective_bytes_per_token_layer(m, s) * s.tokens
         return m.layers * kept, max(0.0, recomputed - kept)
     whole = activation_bytes_per_token_layer(m, s, kept=True) * s.tokens
-    if s.budget_recompute:  # parallel.activation_memory_budget: between full checkpointing's and none's
+    if s.budget_applies:  # parallel.activation_memory_budget: between full checkpointing's and none's
         kept = block_input + budget_kept_share(s.memory_budget) * max(0.0, whole - block_input)
         return m.layers * kept, whole - kept
     return m.layers * whole, 0.0

@@ -85,10 +85,10 @@ class Setting:
     @property
     def budget_recompute(self) -> float:
         """The share of full checkpointing's recompute that parallel.activation_memory_budget asks compile's
-        partitioner for: 1 - budget with compiled blocks and no checkpointing, else 0. Its saved activations are
-        priced at full checkpointing's plus the budget's share of the rest (the partitioner bounds its own estimate
-        so), its recompute at this share of full checkpointing's inside the compiled backward: an upper bound, as
-        the partitioner recomputes the cheapest bytes first (a knapsack: the cost is convex in the budget)."""
+        partitioner for: 1 - budget with compiled blocks and no checkpointing, else 0. Its recompute is priced at
+        this share of full checkpointing's inside the compiled backward: an upper bound, as the partitioner
+        recomputes the cheapest bytes first (a knapsack: the cost is convex in the budget); its saved activations
+        at the shares measured on a GPU (plan/memory.py BUDGET_KEPT)."""
         return 1.0 - self.memory_budget if self.budget_applies else 0.0
 
     @property
