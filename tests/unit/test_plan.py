@@ -118,9 +118,10 @@ def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
 def test_a_memory_budget_is_priced_between_none_and_full_inside_compile(one_b: ModelShape,
                                                                         eight_b: ModelShape) -> None:
     """parallel.activation_memory_budget: the saved activations full checkpointing keeps plus the share of the rest
-    the partitioner was measured to keep at that budget (memory.BUDGET_KEPT: 0.52 at 0.5), and at most the budget's
-    complement of the traced recompute's FLOPs and backward memory; only under compile without checkpointing, and the
-    planner's search then leaves the checkpointing alone."""
+    the partitioner was measured to keep at that budget (memory.BUDGET_KEPT: 0.52 at 0.5), and the share of the
+    traced recompute's FLOPs and backward memory it was measured to pay (setting.BUDGET_RECOMPUTE: 0.36 at 0.5, less
+    than the budget's complement); only under compile without checkpointing, and the planner's search then leaves
+    the checkpointing alone."""
     from shardtune.plan import describe, free_knobs
 
     base = Setting(micro_batch_size=4, seq_len=2048, compile=True)
@@ -133,8 +134,10 @@ def test_a_memory_budget_is_priced_between_none_and_full_inside_compile(one_b: M
         assert budget_kept_share(0.3) == pytest.approx(0.37) and budget_kept_share(0.2) == pytest.approx(0.2775)
         assert train_flops_per_token(m, low) == train_flops_per_token(m, full)  # the traced recompute's
         assert train_flops_per_token(m, high) == train_flops_per_token(m, none)
+        assert half.budget_recompute == pytest.approx(0.36) and replace(base, memory_budget=0.2).budget_recompute \
+            == pytest.approx(0.75)
         assert train_flops_per_token(m, half) == pytest.approx(
-            (train_flops_per_token(m, none) + train_flops_per_token(m, full)) / 2)
+            train_flops_per_token(m, none) + 0.36 * (train_flops_per_token(m, full) - train_flops_per_token(m, none)))
         assert attention_flops_per_token(m, low) == attention_flops_per_token(m, full)
         h200 = lookup("h200")
         assert (step_time(m, none, h200).seconds < step_time(m, half, h200).seconds
@@ -151,7 +154,8 @@ def test_a_memory_budget_is_priced_between_none_and_full_inside_compile(one_b: M
     assert "activation_checkpointing" not in free_knobs(cfg) and "strategy" in free_knobs(cfg)
     resolved, plan = resolve_auto(cfg, preset_config("llama-3.2-1b"), H200, world=1, per_node=1)
     assert resolved.parallel.activation_checkpointing == "none"
-    assert resolved.parallel.activation_memory_budget == 0.5 and plan.chosen().setting.budget_recompute == 0.5
+    assert resolved.parallel.activation_memory_budget == 0.5
+    assert plan.chosen().setting.budget_recompute == pytest.approx(0.36)
     assert "activation_checkpointing" in free_knobs(_cfg("parallel.strategy=auto", "parallel.compile=true"))
 
 

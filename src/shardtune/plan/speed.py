@@ -121,12 +121,13 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
     12·L·h·s). Frozen weights (LoRA, QLoRA) cost forward + input gradient: 4 per weight; adapters 6.
     Full checkpointing runs every block's forward again: + 2 per block weight + 4·L·h·s; inside the compiled
     backward (Setting.checkpoint_traced) the recompute leaves out what no gradient reads, the down projection
-    (the block's output): - 2·L·h·f; a memory budget's recompute at most (1 - budget) of that traced one;
+    (the block's output): - 2·L·h·f; a memory budget's recompute its measured share of that traced one
+    (Setting.budget_recompute);
     selective checkpointing only the k, o and up projections: + 2·L·h·(k + h + f)."""
     n = m.matmul_params
     attn = 12.0 * m.layers * m.hidden * s.seq_len
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
-    if share := s.recompute_share:  # full checkpointing: 1; a memory budget: 1 - budget (an upper bound)
+    if share := s.recompute_share:  # full checkpointing: 1; a memory budget: its measured share
         flops += share * (2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len)
         if s.checkpoint_traced or s.budget_recompute:  # recomputed inside the compiled backward
             flops -= share * 2.0 * m.layers * m.hidden * m.ffn
