@@ -465,7 +465,7 @@ def plan_summary(cfg: Any, hf_config: Any, world: int, nnodes: int = 1) -> list[
                       + (f" (Inductor options {p.compile_options})" if p.compile and p.compile_options else "")
                       + (", the checkpoint inside the compiled blocks" if checkpoint_traced(p) else "")
                       + (f", activation memory budget {p.activation_memory_budget:g}"
-                         if p.compile and p.activation_memory_budget is not None else "")),
+                         if p.activation_memory_budget is not None else "")),  # the config asks for compile
         ("processes", f"{world} per node" + (f" x {nnodes} nodes" if nnodes > 1 else "")),
         ("batch", f"{global_batch} sequences x {t.seq_len} tokens per step ({t.micro_batch_size} per process x "
                   f"{t.grad_accum} accumulation x {processes} processes)"),

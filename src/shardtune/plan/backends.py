@@ -123,7 +123,7 @@ class Fsdp2Rules:
         """This engine's rate against FSDP2 on the same work: DDP's autocast casts weights every forward; the
         one-process path without FSDP2 skips FSDP2's copies."""
         if s.one_gpu_direct:
-            return DIRECT_EFF * (COMPILED_UPDATE_EFF if s.gradient_bytes < 4 else 1.0)
+            return DIRECT_EFF * (COMPILED_UPDATE_EFF if s.bf16_gradients_updated else 1.0)
         return AUTOCAST_EFF if s.strategy == "ddp" and s.precision != "fp32" else 1.0
 
     def comm_bytes(self, m: ModelShape, s: Setting, gathered: float, last_block: float) -> dict[str, float]:

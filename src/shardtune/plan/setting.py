@@ -149,11 +149,17 @@ class Setting:
         return self.offload_embedding and self.peft != "none" and self.one_gpu_direct and m.head_params > 0
 
     @property
+    def bf16_gradients_updated(self) -> bool:
+        """The compiled update reads full fine-tuning's bf16 / fp16 gradients as autograd made them (one
+        micro-batch a step): no fp32 gradient copy, and no cast of each gradient in backward."""
+        return self.update_compiled and self.grad_accum == 1 and self.peft == "none" and self.compute_bytes < 4
+
+    @property
     def gradient_bytes(self) -> int:
         """Bytes each trainable parameter's gradient holds until the update: fp32, except under the compiled update
         with one micro-batch a step, which reads full fine-tuning's compute-dtype gradients as autograd made them
         (LoRA's matrices, cast in their forward, get fp32 gradients either way)."""
-        if self.update_compiled and self.grad_accum == 1 and self.peft == "none":
+        if self.bf16_gradients_updated:
             return self.compute_bytes
         return 4
 
