@@ -341,7 +341,8 @@ class PeftConfig(_Section):
         False, description="Keep the frozen input embedding in host memory and look each micro-batch's rows up "
                            "there (Unsloth's offload_embedding): the table's GPU memory (1 GB on the Llama-3-8B "
                            "shape) for a host gather and a copy of tokens x hidden per micro-batch. One-GPU direct "
-                           "path, untied embeddings.")
+                           "path, untied embeddings. Left unset under parallel.strategy: auto, the planner takes it "
+                           "where it is what fits.")
     base_dtype: Literal["auto", "fp32", "bf16", "fp16", "float8"] = Field(
         "auto", description="Storage dtype of the frozen base weights (NF4 ones excepted): auto = the compute "
                             "precision, as a base loaded for PEFT in bf16, and float8 where that can run; adapters "

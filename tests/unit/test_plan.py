@@ -200,6 +200,47 @@ def test_the_search_prices_memory_budgets_and_picks_one_where_none_does_not_fit(
     assert all(c.setting.memory_budget is None for c in eager.result.candidates)  # a budget needs compile
 
 
+def test_the_search_puts_the_input_embedding_on_the_host_where_that_is_what_fits() -> None:
+    """peft.offload_embedding, left to the planner under `parallel.strategy: auto`: each LoRA / QLoRA setting on the
+    one-GPU direct path is priced with the embedding on the GPU and on the host; the host one frees the table (1 GB
+    on the 8B shape) for a little speed, so the pick takes it only where the table's GPU memory decides the fit, and
+    the resolved config and the workers' overrides carry it. Set in the config, or off the direct path, or for a
+    tied embedding (1B), it is not varied; a config that does not fit is told the flag is a fix."""
+    from shardtune.plan import auto_overrides
+    from shardtune.plan.report import table
+
+    given = ["model.preset=llama-3-8b", "peft.method=lora", "parallel.compile=true", "parallel.strategy=auto",
+             "train.micro_batch_size=2"]
+    cfg, hf = _cfg(*given), preset_config("llama-3-8b")
+    whole = resolve_auto(cfg, hf, lookup("h100"), world=1, per_node=1)
+    assert whole[1].pick is not None and not whole[1].pick.setting.offload_embedding  # faster where both fit
+    assert not whole[0].peft.offload_embedding
+    priced = {c.setting.offload_embedding for c in whole[1].result.candidates if c.setting.one_gpu_direct}
+    assert priced == {False, True}
+    # 0.5 GiB less than the leanest direct setting with the table on the GPU needs: the host embedding fits (and
+    # beats what else does, the saved activations on the host under FSDP2)
+    need = min(c.memory.total for c in whole[1].result.candidates
+               if c.setting.one_gpu_direct and not c.setting.offload_embedding)
+    tight = replace(lookup("h100"), memory_bytes=int((need - 0.5 * GIB) / 0.95))
+    resolved, plan = resolve_auto(cfg, hf, tight, world=1, per_node=1)
+    assert plan.chosen().setting.offload_embedding and resolved.peft.offload_embedding
+    assert "input embedding in host memory" in plan.reason() and any("+e" in line for line in table(plan))
+    assert "peft.offload_embedding=true" in auto_overrides(resolved, plan.auto)
+    assert _cfg(*given, *auto_overrides(resolved, plan.auto)).peft.offload_embedding  # what the workers load
+    # set in the config: kept (and its refusal names the flag among the fixes)
+    kept = make_plan(_cfg(*given, "peft.offload_embedding=false"), hf, tight, world=1, per_node=1)
+    assert kept.pick is None or not kept.pick.setting.offload_embedding
+    fixed = make_plan(_cfg(*given[:3], "parallel.strategy=zero2", "train.micro_batch_size=2",
+                           "parallel.activation_checkpointing=full"), hf, tight, world=1, per_node=1)
+    line = refusal(fixed)
+    assert line and "peft.offload_embedding=true" in line, line
+    # a tied embedding (the 1B) or full fine-tuning: never priced on the host
+    for other in (_cfg("model.preset=llama-3.2-1b", "peft.method=lora", "parallel.strategy=auto"),
+                  _cfg("model.preset=llama-3-8b", "parallel.strategy=auto")):
+        plan = make_plan(other, preset_config(other.model.preset), lookup("h100"), world=1, per_node=1)
+        assert not any(c.setting.offload_embedding for c in plan.result.candidates)
+
+
 def test_a_fix_for_a_budget_that_does_not_fit_unsets_it() -> None:
     # checkpointing beside a budget is refused at load: the fix that checkpoints says to unset the budget (null)
     given = ["model.preset=llama-3-8b", "peft.method=lora", "train.float8=tensorwise", "parallel.compile=true",

@@ -98,6 +98,8 @@ def describe(s: Setting) -> str:
         parts.append("saved activations in host memory")
     if s.frozen_local:
         parts.append("frozen base whole on each GPU")
+    if s.embedding_offloaded:
+        parts.append("input embedding in host memory")
     if s.one_gpu_direct:
         parts.append("without FSDP2 (one_gpu direct)" + (", the compiled update" if s.update_compiled else ""))
     parts.append(f"micro-batch {s.micro_batch_size}")
@@ -190,6 +192,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     set_checkpointing(p, s)
     p.activation_offload = s.activation_offload
+    new.peft.offload_embedding = s.offload_embedding
     p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
     _say_shard_frozen(p, s)
     if s.offload == "none" or not s.nvme:
@@ -222,8 +225,9 @@ def _say_shard_frozen(parallel: Any, s: Setting) -> None:
 
 
 def free_knobs(cfg: Any) -> set[str]:
-    """Setting fields the planner may choose: the strategy's (backend, offload and checkpointing too, unless
-    the config sets them) under `parallel.strategy: auto`, and the micro-batch under its `auto`."""
+    """Setting fields the planner may choose: the strategy's (backend, offload, checkpointing and
+    peft.offload_embedding too, unless the config sets them) under `parallel.strategy: auto`, and the micro-batch
+    under its `auto`."""
     free = set()
     if cfg.parallel.strategy == "auto":
         free.add("strategy")
@@ -235,6 +239,8 @@ def free_knobs(cfg: Any) -> set[str]:
             free.add("memory_budget")  # a budget is a way of checkpointing (none with compile's recompute)
         if cfg.parallel.shard_frozen == "auto":
             free.add("shard_frozen")
+        if "offload_embedding" not in cfg.peft.model_fields_set:
+            free.add("offload_embedding")
     if cfg.train.micro_batch_size == "auto":
         free.add("micro_batch_size")
     return free
@@ -335,9 +341,14 @@ def refusal(plan: Plan) -> str | None:
         fixes = (fixes + _smaller_micro_batches(plan))[:2]
     if not fixes:
         return f"{head}: nothing the planner tried fits; use more GPUs{_peft_hint(plan)}{logits_hint(plan)}, or --force"
-    said = [" ".join(f"{k}={'null' if v is None else v}" for k, v in diff.items())  # null: unset (the budget)
-            + f" fits ({c.memory.total / GIB:.0f} GiB)" for diff, c in fixes]
+    said = [" ".join(f"{k}={_config_value(v)}" for k, v in diff.items()) + f" fits ({c.memory.total / GIB:.0f} GiB)"
+            for diff, c in fixes]
     return f"{head}: {', or '.join(said)}; --force runs anyway"
+
+
+def _config_value(v: Any) -> str:
+    """A value as a command-line override writes it: null unsets (the budget), booleans in YAML's spelling."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _peft_hint(plan: Plan) -> str:
@@ -415,6 +426,7 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
         new.parallel.offload, new.parallel.activation_offload = s.offload, s.activation_offload
         set_checkpointing(new.parallel, s)
         _say_shard_frozen(new.parallel, s)
+        new.peft.offload_embedding = s.offload_embedding
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
     return new
@@ -431,6 +443,8 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
                 f"parallel.shard_frozen={str(p.shard_frozen).lower()}"]
         if p.activation_memory_budget is not None:
             out.append(f"parallel.activation_memory_budget={p.activation_memory_budget:g}")
+        if cfg.peft.offload_embedding:
+            out.append("peft.offload_embedding=true")
     if "train.micro_batch_size" in auto:
         out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return out

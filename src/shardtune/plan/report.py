@@ -17,12 +17,13 @@ TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "
 
 
 # The table's checkpointing column: "+h" when the saved activations are on the host; its strategy column: "+w" when
-# the frozen base is whole on each GPU (parallel.shard_frozen: false).
+# the frozen base is whole on each GPU (parallel.shard_frozen: false), "+e" when the input embedding is in host
+# memory (peft.offload_embedding).
 AC_SHORT = {"selective": "sel"}
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
     rows = [c for c in plan.result.candidates if show_all or c.usable]
-    head = (f"{'backend':<9} {'strategy':<8} {'offload':<9} {'ckpt':<6} {'mb':>3} {'GiB/GPU':>8} "
+    head = (f"{'backend':<9} {'strategy':<10} {'offload':<9} {'ckpt':<6} {'mb':>3} {'GiB/GPU':>8} "
             + " ".join(f"{short:>6}" for _, short in TERMS) + f" {'host GiB':>8} {'tok/s/GPU':>10} {'MFU':>6}  fits")
     lines = [head]
     for c in rows:
@@ -48,8 +49,8 @@ def _row(c: Candidate, mark: str = "") -> str:
     ac = f"b{s.memory_budget:g}" if s.budget_recompute else AC_SHORT.get(s.activation_checkpointing,
                                                                           s.activation_checkpointing)
     ac += "+h" if s.activation_offload else ""
-    strategy = s.strategy + ("+w" if s.frozen_local else "")  # the frozen base whole on each GPU
-    return (f"{s.backend:<9} {strategy:<8} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
+    strategy = s.strategy + ("+w" if s.frozen_local else "") + ("+e" if s.embedding_offloaded else "")
+    return (f"{s.backend:<9} {strategy:<10} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
             f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "
             f"{c.time.mfu:>6.1%}  {fits} {mark}").rstrip()
 

@@ -25,7 +25,7 @@ CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "
                "activation_checkpointing": "parallel.activation_checkpointing",
                "memory_budget": "parallel.activation_memory_budget",
                "activation_offload": "parallel.activation_offload", "shard_frozen": "parallel.shard_frozen",
-               "micro_batch_size": "train.micro_batch_size"}
+               "offload_embedding": "peft.offload_embedding", "micro_batch_size": "train.micro_batch_size"}
 
 
 @dataclass
@@ -99,6 +99,9 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
             out.append(price(m, s, hw, capacity, host_capacity))
             if _frozen_is_a_trade(s):  # the frozen base whole on every GPU instead, priced beside it
                 out.append(price(m, s.replace(shard_frozen=not s.shard_frozen), hw, capacity, host_capacity))
+            if s.replace(offload_embedding=True).embedding_on_host(m):  # and the input embedding on the host
+                out.append(price(m, s.replace(offload_embedding=not s.offload_embedding), hw, capacity,
+                                 host_capacity))
     configured = price(m, base, hw, capacity, host_capacity)
     usable = [c for c in out if c.usable]
     pick = max(usable, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if usable else None

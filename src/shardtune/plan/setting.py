@@ -143,10 +143,16 @@ class Setting:
         """The direct path's compiled update runs (optim.fused: compiled; parallel/compiled_adamw.py)."""
         return self.compiled_update and self.optim == "adamw" and self.one_gpu_direct
 
+    @property
+    def embedding_offloaded(self) -> bool:
+        """peft.offload_embedding is set and runs here: PEFT on the one-GPU direct path (the config refuses a tied
+        embedding; embedding_on_host checks the model)."""
+        return self.offload_embedding and self.peft != "none" and self.one_gpu_direct
+
     def embedding_on_host(self, m: ModelShape) -> bool:
-        """The frozen input embedding is kept on the host (peft.offload_embedding: PEFT on the one-GPU direct
-        path, an embedding not tied to the LM head)."""
-        return self.offload_embedding and self.peft != "none" and self.one_gpu_direct and m.head_params > 0
+        """The frozen input embedding is kept on the host (embedding_offloaded, an embedding not tied to the LM
+        head)."""
+        return self.embedding_offloaded and m.head_params > 0
 
     @property
     def bf16_gradients_updated(self) -> bool:
@@ -190,7 +196,7 @@ class Setting:
                 "activation_checkpointing": self.activation_checkpointing,
                 "memory_budget": self.memory_budget if self.budget_applies else None,  # as its config says it
                 "activation_offload": self.activation_offload, "shard_frozen": self.shard_frozen,
-                "micro_batch_size": self.micro_batch_size}
+                "offload_embedding": self.embedding_offloaded, "micro_batch_size": self.micro_batch_size}
 
 
 def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = False) -> Setting:
