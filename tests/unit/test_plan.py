@@ -16,8 +16,10 @@ from shardtune.models.presets import preset_config
 from shardtune.plan import make_plan, refusal, resolve_auto, resolve_hardware
 from shardtune.plan.hardware import lookup
 from shardtune.plan.memory import (
+    FRAGMENTATION,
     GIB,
     NF4_BYTES,
+    RECOMPUTE_FRAGMENTATION,
     activation_bytes_per_token_layer,
     activations,
     budget_kept_share,
@@ -144,6 +146,13 @@ def test_a_memory_budget_is_priced_between_none_and_full_inside_compile(one_b: M
                 < step_time(m, low, h200).seconds)
         assert gpu_memory(m, high).total == gpu_memory(m, none).total
         assert gpu_memory(m, low).total == pytest.approx(gpu_memory(m, full).total, rel=0.01)
+        # a recompute inside the compiled backward reserves no more than no recompute (1B at 0.5 on an H100, call 93:
+        # 1.018 x allocated), not the eager recompute's extra share (RECOMPUTE_FRAGMENTATION)
+        eager_full = replace(full, compile=False)
+        for s in (half, eager_full):
+            mem = gpu_memory(m, s)
+            assert mem.reserved / mem.allocated == pytest.approx(
+                1 + FRAGMENTATION + (RECOMPUTE_FRAGMENTATION if s is eager_full else 0.0))
     # no compile, or checkpointing set: no budget applies (config refuses the pair; a searched setting ignores it)
     for other in (replace(base, compile=False, memory_budget=0.5),
                   replace(base, memory_budget=0.5, activation_checkpointing="full")):
