@@ -61,6 +61,8 @@ VARIANTS = {
         "direct": ["parallel.one_gpu=direct"],
         "liger_loss": ["model.liger=loss"],
         "liger_chunk": ["model.liger=loss", "model.liger_chunk=1024"],
+        "liger_accum": ["parallel.compile=true", "model.liger=loss", "model.liger_chunk=auto",
+                        "parallel.one_gpu=auto", "model.liger_accum=weight"],
         "liger_kernels": ["model.liger=true"],
         "selective": ["parallel.activation_checkpointing=selective"],
         "full_ac": ["parallel.activation_checkpointing=full"],
@@ -102,6 +104,7 @@ for _variants in VARIANTS.values():
     _variants[CONTROL] = ["train.lr=1e-12"]
 # What a run's log says when a lever that depends on the machine applied (Liger installed, float8 matmuls).
 EXPECT = {"liger_loss": "fused linear + cross-entropy", "liger_chunk": "fused linear + cross-entropy",
+          "liger_accum": "summed in its weight's dtype",
           "liger_kernels": "RMSNorm, RoPE, SwiGLU kernels", "liger_auto": "RMSNorm, RoPE, SwiGLU kernels",
           **{name: "float8 (tensorwise)" for name in ("float8", "float8_defaults", "float8_base")}}
 # Relative bounds: (first step, every step, mean of the last ten steps).

@@ -62,6 +62,17 @@ def test_the_key_refuses_other_values():
         load_config(TINY, ["model.liger=fast"])
 
 
+def test_the_head_gradient_is_summed_in_fp32_unless_the_weights_dtype_is_asked_for():
+    # model.liger_accum -> Liger's accum_dtype: fp32 (the default), or None (the weight's dtype: Liger's default)
+    from shardtune.models.liger import accum_dtype
+
+    assert load_config(TINY, []).model.liger_accum == "fp32"
+    assert accum_dtype(load_config(TINY, []).model.liger_accum) is torch.float32
+    assert accum_dtype(load_config(TINY, ["model.liger_accum=weight"]).model.liger_accum) is None
+    with pytest.raises(ConfigError, match=r"model\.liger_accum"):
+        load_config(TINY, ["model.liger_accum=bf16"])
+
+
 def test_auto_and_false_do_nothing_on_a_cpu():
     for setting in ("auto", False):
         check_liger(setting, "cpu", "llama")

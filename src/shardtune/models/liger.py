@@ -103,10 +103,11 @@ def skip_backward_sync() -> bool:
     return True
 
 
-def liger_loss(chunk: int = 0) -> Any:
+def liger_loss(chunk: int = 0, accum: str = "fp32") -> Any:
     """Liger's fused linear + cross-entropy, summing token losses (accumulated in fp32) as train/loss.py does,
     its logits made `chunk` tokens at a time (`model.liger_chunk`, through Liger's chunk_mem_const; 0 or a Liger
-    without that argument: Liger's own chunk)."""
+    without that argument: Liger's own chunk), the LM head's gradient summed over the chunks in `accum`
+    (`model.liger_accum`: accum_dtype)."""
     import inspect
 
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -121,9 +122,14 @@ def liger_loss(chunk: int = 0) -> Any:
         if sized:
             extra["chunk_mem_const"] = fused_loss_chunk(hidden.size(0), weight.size(0), weight.size(1), chunk)[0]
         return liger_fused_linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE_INDEX,
-                                                reduction="sum", accum_dtype=torch.float32, **extra)
+                                                reduction="sum", accum_dtype=accum_dtype(accum), **extra)
 
     return loss
+
+
+def accum_dtype(accum: str) -> torch.dtype | None:
+    """Liger's accum_dtype for model.liger_accum: fp32, or None (the weight's own dtype: Liger's default)."""
+    return torch.float32 if accum == "fp32" else None
 
 
 def reference_fused_loss(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

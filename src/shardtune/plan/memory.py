@@ -252,7 +252,8 @@ def fused_loss_bytes(m: ModelShape, s: Setting) -> float:
     [tokens, V] logits: it walks the tokens in chunks (`model.liger_chunk`; Liger's own: next_pow2(ceil(T /
     ceil(V / h))) rows), each chunk's logits in one compute-dtype buffer its cross-entropy kernel overwrites with
     their gradient (Liger 0.8.5), and keeps the input's gradient (T x h, compute dtype) and, when the LM head
-    trains, the weight's (V x h, fp32 accumulation) from forward to backward. 1B shape, 8192 tokens: 1.2 GiB
+    trains, the weight's (V x h, summed in fp32 or the weight's dtype: `model.liger_accum`) from forward to
+    backward. 1B shape, 8192 tokens: 1.2 GiB
     against 11.7 GiB of logits; measured on one H200, 10.2 GiB less peak; 8192-token chunks held 1.47 GiB more
     than 1024-token ones (7168 more rows of bf16 logits: 1.71 GiB; bench/RESULTS.md 2026-12-04, seventeenth
     session)."""
@@ -262,7 +263,7 @@ def fused_loss_bytes(m: ModelShape, s: Setting) -> float:
     chunk = fused_loss_chunk(tokens, m.vocab, m.hidden, s.liger_chunk)[1]
     head_trains = s.peft == "none"
     return (chunk * m.vocab * s.compute_bytes + tokens * m.hidden * s.compute_bytes
-            + (4.0 * m.vocab * m.hidden if head_trains else 0.0))
+            + (float(s.head_accum_bytes * m.vocab * m.hidden) if head_trains else 0.0))
 
 
 def packing_mask_bytes(s: Setting) -> float:

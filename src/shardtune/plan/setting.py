@@ -59,6 +59,7 @@ class Setting:
     fused_loss: bool = False  # model.liger puts Liger's fused linear + cross-entropy in (FSDP2/DDP backends only)
     liger_kernels: bool = False  # model.liger swaps Liger's RMSNorm, RoPE and SwiGLU into the blocks
     liger_chunk: int = 0  # model.liger_chunk: tokens per chunk of the fused loss (0 = Liger's own choice)
+    liger_accum: str = "fp32"  # model.liger_accum: what the fused loss sums the LM head's gradient in
     float8: str = "false"  # train.float8: false | tensorwise | rowwise
     world: int = 1
     per_node: int = 1
@@ -170,6 +171,13 @@ class Setting:
         return 4
 
     @property
+    def head_accum_bytes(self) -> int:
+        """Bytes per LM head weight of the gradient Liger's fused loss sums over its chunks (model.liger_accum):
+        fp32, or the weight's dtype as the loss reads it (the compute dtype; DDP's fp32 parameters under
+        autocast)."""
+        return 4 if self.liger_accum == "fp32" or self.strategy == "ddp" else self.compute_bytes
+
+    @property
     def tokens(self) -> int:
         """Tokens in one micro-batch of one process."""
         return self.micro_batch_size * self.seq_len
@@ -222,6 +230,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
         liger_kernels=liger and liger_kernels_wanted(cfg.model.liger, p.compile),
-        liger_chunk=chunk_tokens(cfg.model.liger_chunk), float8=str(t.float8 or "false"), world=world,
+        liger_chunk=chunk_tokens(cfg.model.liger_chunk), liger_accum=cfg.model.liger_accum,
+        float8=str(t.float8 or "false"), world=world,
         per_node=per_node,
         shard_size=p.shard_size if isinstance(p.shard_size, int) else None)

@@ -176,9 +176,10 @@ def liger_efficiency(s: Setting) -> float:
 
 
 def fused_chunk_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
-    """Time model.liger_chunk saves (negative) or costs against Liger's own chunk, where LIGER_EFF was measured:
-    the LM head's fp32 gradient read and written once per chunk (FUSED_CHUNK_EFF). Nothing when the head is
-    frozen (LoRA / QLoRA: no gradient to accumulate) or the loss is plain."""
+    """Time model.liger_chunk and model.liger_accum save (negative) or cost against Liger's own chunk with an fp32
+    accumulator, where LIGER_EFF was measured: the LM head's gradient read and written once per chunk
+    (FUSED_CHUNK_EFF), in fp32 or the weight's dtype. Nothing when the head is frozen (LoRA / QLoRA: no gradient
+    to accumulate) or the loss is plain."""
     if not s.fused_loss_runs or s.peft != "none":
         return 0.0
     from shardtune.models.liger_rules import fused_loss_chunk
@@ -186,8 +187,8 @@ def fused_chunk_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     def chunks(rows: int) -> int:
         return -(-s.tokens // fused_loss_chunk(s.tokens, m.vocab, m.hidden, rows)[1])
 
-    head_grad = 2 * 4 * m.vocab * m.hidden
-    return (chunks(s.liger_chunk) - chunks(0)) * s.grad_accum * head_grad / (hw.hbm_bytes_per_s * FUSED_CHUNK_EFF)
+    passes = chunks(s.liger_chunk) * s.head_accum_bytes - chunks(0) * 4  # chunks x accumulator bytes, read + written
+    return passes * 2 * m.vocab * m.hidden * s.grad_accum / (hw.hbm_bytes_per_s * FUSED_CHUNK_EFF)
 
 
 def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
