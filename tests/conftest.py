@@ -181,6 +181,19 @@ def offload_test_model(overrides: list[str], device: str = "cpu", offload: bool 
     return model, blocks, hooks
 
 
+@pytest.fixture
+def without_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile with the aot_eager backend for this test: Dynamo's graphs, AOTAutograd's partition (the same
+    min-cut partitioner, so what a checkpoint or a memory budget saves) and eager kernels, without Inductor's C++
+    code generation (20-30 s a test on a cold CI cache). For tests of what is traced and saved; Inductor's own code
+    runs in the 2-process parity variants (tests/dist/worker.py's compile ones) and on the GPU."""
+    import functools
+
+    import torch
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+
 def max_diff(a: list[float], b: list[float], min_len: int = 6) -> float:
     """Largest difference of two loss trajectories of the same length (at least min_len steps)."""
     assert len(a) == len(b) >= min_len

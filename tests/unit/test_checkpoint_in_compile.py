@@ -16,6 +16,10 @@ from shardtune.parallel import check_combination, checkpoint_traced
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
+# What is traced, saved and recomputed is AOTAutograd's: every test here compiles through aot_eager (conftest's
+# without_inductor); Inductor runs the same blocks in tests/dist's zero3:ac:compile, :around and :compile:budget.
+pytestmark = pytest.mark.usefixtures("without_inductor")
+
 
 def _saved_bytes(model, ids) -> int:
     """Bytes of activations autograd saves in one forward (the saved tensors the pack hook sees, less the

@@ -252,16 +252,13 @@ def test_the_planner_prices_what_it_holds_and_moves() -> None:
     assert not two.update_compiled and two.gradient_bytes == 4 and optimizer_bytes(two) == 28
 
 
-def test_few_small_graphs_serve_every_parameter(monkeypatch) -> None:
+def test_few_small_graphs_serve_every_parameter(without_inductor) -> None:
     # One graph over all parameters took 124 s to compile for the 1B shape's 146 on a CPU; chunks of flattened
     # tensors with each size its own symbol reuse one graph per chunk length and group, whatever the shapes.
     # Dynamo's graphs are counted before any backend sees them: aot_eager traces them without Inductor's code
     # generation (24 s of this test on a CPU), the other tests here run the real compiled update.
-    import functools
-
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     counters.clear()
     layer = [(64, 32), (16, 32), (16, 32), (64, 32), (96, 32), (96, 32), (32, 96), (32,), (32,)]  # a block's

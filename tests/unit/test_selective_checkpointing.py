@@ -92,7 +92,7 @@ def test_selective_saves_attention_and_every_other_matmul(monkeypatch):
                                  ("attention", "MUST_SAVE"): layers}), decisions
 
 
-def test_selective_under_compile_saves_the_same_matmuls(monkeypatch):
+def test_selective_under_compile_saves_the_same_matmuls(monkeypatch, without_inductor):
     # The policy sees the ops only while Dynamo traces the block: around a compiled block it would see Inductor's
     # kernels (mm.out), match no matmul and recompute everything. So compile traces selective's checkpoint.
     torch._dynamo.reset()
@@ -116,7 +116,7 @@ def test_selective_under_compile_saves_the_same_matmuls(monkeypatch):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_selective_policy_runs_at_every_step_only_eager(monkeypatch):
+def test_selective_policy_runs_at_every_step_only_eager(monkeypatch, without_inductor):
     # Eager, the policy is called for every op of every block at every step (the host cost the planner prices as
     # speed.SELECTIVE_LAYER_S); traced by compile it is called while tracing only, so compiled steps pay nothing.
     decisions = _record_decisions(monkeypatch, lambda ctx, func, args, choice: "op")
