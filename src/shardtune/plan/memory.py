@@ -371,9 +371,9 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: float(v) for k, v in terms.items() if v}
     allocated = sum(terms.values())
-    # A recompute inside the compiled backward (the traced checkpoint, a memory budget's) runs in Inductor's planned
-    # buffers: the 1B at budget 0.5 reserved 1.018 x its allocated (call 93).
-    eager_recompute = recompute and not (s.checkpoint_traced or s.budget_recompute)
+    # A recompute inside the compiled backward runs in Inductor's planned buffers: the 1B at budget 0.5 reserved
+    # 1.018 x its allocated (call 93), not the eager recompute's share more.
+    eager_recompute = recompute and not s.recompute_compiled
     frag = PEFT_FRAGMENTATION if s.peft != "none" else \
         (DIRECT_FRAGMENTATION if s.one_gpu_direct else FRAGMENTATION) + (RECOMPUTE_FRAGMENTATION if eager_recompute
                                                                          else 0.0)

@@ -99,7 +99,7 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
             out.append(price(m, s, hw, capacity, host_capacity))
             if _frozen_is_a_trade(s):  # the frozen base whole on every GPU instead, priced beside it
                 out.append(price(m, s.replace(shard_frozen=not s.shard_frozen), hw, capacity, host_capacity))
-            if s.replace(offload_embedding=True).embedding_on_host(m):  # and the input embedding on the host
+            if _embedding_is_a_trade(m, s):  # the input embedding on the host instead (or back), beside it
                 out.append(price(m, s.replace(offload_embedding=not s.offload_embedding), hw, capacity,
                                  host_capacity))
     configured = price(m, base, hw, capacity, host_capacity)
@@ -125,6 +125,11 @@ def _frozen_is_a_trade(s: Setting) -> bool:
     keeps the base whole: less memory and faster, measured)."""
     return (s.world > 1 and s.peft != "none" and s.rules.keeps_frozen_local(s)
             and s.frozen_bytes == s.compute_bytes)
+
+
+def _embedding_is_a_trade(m: ModelShape, s: Setting) -> bool:
+    """peft.offload_embedding changes this setting: PEFT on the one-GPU direct path, an untied embedding."""
+    return s.replace(offload_embedding=True).embedding_on_host(m)
 
 
 def changes(a: Setting, b: Setting) -> dict[str, Any]:

@@ -99,6 +99,11 @@ class Setting:
                                  self.activation_offload)
 
     @property
+    def recompute_compiled(self) -> bool:
+        """The recompute, if any, runs inside the compiled backward: the traced checkpoint's, or a memory budget's."""
+        return self.checkpoint_traced or self.budget_recompute > 0
+
+    @property
     def budget_recompute(self) -> float:
         """The share of full checkpointing's recompute that parallel.activation_memory_budget leaves to compile's
         partitioner, inside the compiled backward: BUDGET_RECOMPUTE (measured) with compiled blocks and no

@@ -129,7 +129,7 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
     if share := s.recompute_share:  # full checkpointing: 1; a memory budget: its measured share
         flops += share * (2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len)
-        if s.checkpoint_traced or s.budget_recompute:  # recomputed inside the compiled backward
+        if s.recompute_compiled:
             flops -= share * 2.0 * m.layers * m.hidden * m.ffn
     elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
         flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
