@@ -62,13 +62,13 @@ def test_the_key_refuses_other_values():
         load_config(TINY, ["model.liger=fast"])
 
 
-def test_the_head_gradient_is_summed_in_fp32_unless_the_weights_dtype_is_asked_for():
-    # model.liger_accum -> Liger's accum_dtype: fp32 (the default), or None (the weight's dtype: Liger's default)
+def test_the_head_gradient_is_summed_in_the_weights_dtype_unless_fp32_is_asked_for():
+    # model.liger_accum -> Liger's accum_dtype: None (the weight's dtype: Liger's default and ours), or fp32
     from shardtune.models.liger import accum_dtype
 
-    assert load_config(TINY, []).model.liger_accum == "fp32"
-    assert accum_dtype(load_config(TINY, []).model.liger_accum) is torch.float32
-    assert accum_dtype(load_config(TINY, ["model.liger_accum=weight"]).model.liger_accum) is None
+    assert load_config(TINY, []).model.liger_accum == "weight"
+    assert accum_dtype(load_config(TINY, []).model.liger_accum) is None
+    assert accum_dtype(load_config(TINY, ["model.liger_accum=fp32"]).model.liger_accum) is torch.float32
     with pytest.raises(ConfigError, match=r"model\.liger_accum"):
         load_config(TINY, ["model.liger_accum=bf16"])
 

@@ -69,6 +69,9 @@ CKPT_INSIDE_AUTO_CALL = 85
 # one micro-batch a step) after call 91 (thirty-second session); earlier rows ran torch's fused AdamW unless their
 # overrides say otherwise.
 COMPILED_UPDATE_AUTO_CALL = 92
+# model.liger_accum became `weight` (the head's gradient summed in bf16, Liger's own default) after call 100
+# (thirty-fourth session); earlier rows summed it in fp32 unless their overrides say otherwise.
+LIGER_ACCUM_WEIGHT_CALL = 101
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -104,6 +107,9 @@ def _predictions() -> list[tuple[dict, object]]:
             overrides = ["parallel.checkpoint_in_compile=false", *overrides]
         if int(row["call"]) < COMPILED_UPDATE_AUTO_CALL and not any(o.startswith("optim.fused=") for o in overrides):
             overrides = ["optim.fused=true", *overrides]
+        if int(row["call"]) < LIGER_ACCUM_WEIGHT_CALL and not any(o.startswith("model.liger_accum=")
+                                                                  for o in overrides):
+            overrides = ["model.liger_accum=fp32", *overrides]
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured

@@ -103,7 +103,7 @@ def skip_backward_sync() -> bool:
     return True
 
 
-def liger_loss(chunk: int = 0, accum: str = "fp32") -> Any:
+def liger_loss(chunk: int = 0, accum: str = "weight") -> Any:
     """Liger's fused linear + cross-entropy, summing token losses (accumulated in fp32) as train/loss.py does,
     its logits made `chunk` tokens at a time (`model.liger_chunk`, through Liger's chunk_mem_const; 0 or a Liger
     without that argument: Liger's own chunk), the LM head's gradient summed over the chunks in `accum`

@@ -251,19 +251,25 @@ def fused_loss_bytes(m: ModelShape, s: Setting) -> float:
     """Liger's fused linear + cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py) never holds the
     [tokens, V] logits: it walks the tokens in chunks (`model.liger_chunk`; Liger's own: next_pow2(ceil(T /
     ceil(V / h))) rows), each chunk's logits in one compute-dtype buffer its cross-entropy kernel overwrites with
-    their gradient (Liger 0.8.5), and keeps the input's gradient (T x h, compute dtype) and, when the LM head
-    trains, the weight's (V x h, summed in fp32 or the weight's dtype: `model.liger_accum`) from forward to
-    backward. 1B shape, 8192 tokens: 1.2 GiB
-    against 11.7 GiB of logits; measured on one H200, 10.2 GiB less peak; 8192-token chunks held 1.47 GiB more
-    than 1024-token ones (7168 more rows of bf16 logits: 1.71 GiB; bench/RESULTS.md 2026-12-04, seventeenth
-    session)."""
+    their gradient (Liger 0.8.5), and keeps the input's gradient (T x h, compute dtype) from forward to backward.
+    When the LM head trains it also sums the head's gradient (V x h) over the chunks, in fp32 or the weight's dtype
+    (`model.liger_accum`), and casts an fp32 sum to the weight's dtype after the last chunk, its logits buffer
+    freed: the peak is the larger of the chunks' (a chunk's logits + the sum) and the cast's (the sum + its copy).
+    1B shape, 8192 tokens: 1.2 GiB against 11.7 GiB of logits; measured on one H200, 10.2 GiB less peak; 8192-token
+    chunks held 1.47 GiB more than 1024-token ones (7168 more rows of bf16 logits: 1.71 GiB; bench/RESULTS.md
+    2026-12-04, seventeenth session); the bf16 sum held 0.734 GiB less than the fp32 one at 1024-token chunks (one
+    H100, calls 98 and 100: 6 bytes a head weight at the cast against 2 + a chunk's logits, 0.734 GiB)."""
     from shardtune.models.liger_rules import fused_loss_chunk
 
-    tokens = s.tokens
-    chunk = fused_loss_chunk(tokens, m.vocab, m.hidden, s.liger_chunk)[1]
-    head_trains = s.peft == "none"
-    return (chunk * m.vocab * s.compute_bytes + tokens * m.hidden * s.compute_bytes
-            + (float(s.head_accum_bytes * m.vocab * m.hidden) if head_trains else 0.0))
+    chunk = fused_loss_chunk(s.tokens, m.vocab, m.hidden, s.liger_chunk)[1]
+    logits = chunk * m.vocab * s.compute_bytes
+    held = s.tokens * m.hidden * s.compute_bytes
+    if s.peft != "none":  # a frozen head: no gradient to sum
+        return float(logits + held)
+    head = m.vocab * m.hidden
+    summing = logits + s.head_accum_bytes * head
+    casting = (s.head_accum_bytes + s.head_weight_bytes) * head if s.head_accum_bytes != s.head_weight_bytes else 0
+    return float(held + max(summing, casting))
 
 
 def packing_mask_bytes(s: Setting) -> float:

@@ -59,7 +59,7 @@ class Setting:
     fused_loss: bool = False  # model.liger puts Liger's fused linear + cross-entropy in (FSDP2/DDP backends only)
     liger_kernels: bool = False  # model.liger swaps Liger's RMSNorm, RoPE and SwiGLU into the blocks
     liger_chunk: int = 0  # model.liger_chunk: tokens per chunk of the fused loss (0 = Liger's own choice)
-    liger_accum: str = "fp32"  # model.liger_accum: what the fused loss sums the LM head's gradient in
+    liger_accum: str = "weight"  # model.liger_accum: what the fused loss sums the LM head's gradient in
     float8: str = "false"  # train.float8: false | tensorwise | rowwise
     world: int = 1
     per_node: int = 1
@@ -176,11 +176,16 @@ class Setting:
         return 4
 
     @property
+    def head_weight_bytes(self) -> int:
+        """Bytes per LM head weight as Liger's fused loss reads it: the compute dtype; DDP's fp32 parameters under
+        autocast."""
+        return 4 if self.strategy == "ddp" else self.compute_bytes
+
+    @property
     def head_accum_bytes(self) -> int:
         """Bytes per LM head weight of the gradient Liger's fused loss sums over its chunks (model.liger_accum):
-        fp32, or the weight's dtype as the loss reads it (the compute dtype; DDP's fp32 parameters under
-        autocast)."""
-        return 4 if self.liger_accum == "fp32" or self.strategy == "ddp" else self.compute_bytes
+        fp32, or the weight's dtype."""
+        return 4 if self.liger_accum == "fp32" else self.head_weight_bytes
 
     @property
     def tokens(self) -> int:

@@ -317,10 +317,10 @@ def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backe
     if fused:
         install_fused_loss(built.base, liger_loss(chunk_tokens(cfg.model.liger_chunk), cfg.model.liger_accum))
         backend.fused_loss = True
-    head_in_weight_dtype = fused and cfg.model.liger_accum == "weight" and cfg.peft.method == "none"
+    head_in_fp32 = fused and cfg.model.liger_accum == "fp32" and cfg.peft.method == "none"
     parts = (["RMSNorm, RoPE, SwiGLU kernels"] if kernels else []) + (
-        ["fused linear + cross-entropy loss" + (" (the head's gradient summed in its weight's dtype)"
-                                               if head_in_weight_dtype else "")] if fused else
+        ["fused linear + cross-entropy loss" + (" (the head's gradient summed in fp32)" if head_in_fp32 else "")]
+        if fused else
         ["the loss stays plain (LoRA on lm_head)" if adapted_head else "the loss stays plain on this backend"])
     log_rank0(ctx.rank, "liger: " + ", ".join(parts))
 
