@@ -344,12 +344,13 @@ class PeftConfig(_Section):
     target_modules: list[str] | Literal["auto", "all-linear"] = Field(
         "auto", description="auto = the architecture's attention + MLP projections; all-linear; or names.")
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
-    offload_embedding: bool = Field(
-        False, description="Keep the frozen input embedding in host memory and look each micro-batch's rows up "
-                           "there (Unsloth's offload_embedding): the table's GPU memory (1 GB on the Llama-3-8B "
-                           "shape) for a host gather and a copy of tokens x hidden per micro-batch. One-GPU direct "
-                           "path, untied embeddings. Left unset under parallel.strategy: auto, the planner takes it "
-                           "where it is what fits.")
+    offload_embedding: bool | Literal["auto"] = Field(
+        "auto", description="Keep the frozen input embedding in host memory and look each micro-batch's rows up "
+                            "there (Unsloth's offload_embedding): the table's GPU memory (1 GB on the Llama-3-8B "
+                            "shape) for a host gather and a copy of tokens x hidden per micro-batch. One-GPU direct "
+                            "path, a plain untied embedding. auto: on there for LoRA / QLoRA on a GPU (8B LoRA on "
+                            "one H100: 0.83 GiB less for 0.1-0.4% fewer tokens/s in three calls, QLoRA 0.98 GiB for "
+                            "0.9%), off elsewhere; true is refused where it cannot run.")
     base_dtype: Literal["auto", "fp32", "bf16", "fp16", "float8"] = Field(
         "auto", description="Storage dtype of the frozen base weights (NF4 ones excepted): auto = the compute "
                             "precision, as a base loaded for PEFT in bf16, and float8 where that can run; adapters "

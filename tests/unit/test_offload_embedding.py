@@ -107,10 +107,40 @@ def test_the_planner_moves_the_table_to_the_host_and_prices_the_rows_copied_in()
         runs = [setting_from_config(load_config(TINY, ["peft.method=lora", "train.precision=bf16",
                                                        "parallel.strategy=zero2", "train.seq_len=2048",
                                                        "train.micro_batch_size=2", *extra]), 1, 1)
-                for extra in ([], ["peft.offload_embedding=true"])]
+                for extra in (["peft.offload_embedding=false"], [])]  # auto (the default) as true here
         device, host = (gpu_memory(shape, s) for s in runs)
         table = shape.embed_params * 2  # bf16
         assert device.allocated - host.allocated == pytest.approx(table if untied else 0.0)
         assert host.host.get("embedding", 0.0) == (table if untied else 0.0)
         slower = step_time(shape, runs[1], h100).seconds - step_time(shape, runs[0], h100).seconds
         assert slower == pytest.approx(4096 * shape.hidden * 2 / h100.h2d_bytes_per_s if untied else 0.0)
+
+
+def test_auto_takes_the_host_for_peft_on_a_gpu_and_leaves_an_embedding_that_cannot_go() -> None:
+    """peft.offload_embedding: auto (the default): LoRA / QLoRA on a GPU only (not full fine-tuning, not a CPU run,
+    not set false), and there only an embedding that can go: a tied one stays on the device without a word, where
+    true refuses it in one line."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardtune.parallel.fsdp2 import embedding_to_host
+    from shardtune.parallel.host_embedding import HostEmbedding, offload_embedding
+
+    lora = load_config(TINY, ["peft.method=lora"])
+    assert lora.peft.offload_embedding == "auto"
+    assert embedding_to_host(lora, on_gpu=True) == "auto"
+    assert embedding_to_host(lora, on_gpu=False) is False
+    assert embedding_to_host(load_config(TINY, ["peft.method=none"]), on_gpu=True) is False
+    assert embedding_to_host(load_config(TINY, ["peft.method=lora", "peft.offload_embedding=false"])) is False
+    assert embedding_to_host(load_config(TINY, ["peft.method=lora", "peft.offload_embedding=true"])) is True
+    for tied in (True, False):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, tie_word_embeddings=tied))
+        model.requires_grad_(False)
+        before = model.get_input_embeddings().weight
+        moved = offload_embedding(model, torch.device("cpu"), required=False)
+        if tied:
+            assert moved is None and model.get_input_embeddings().weight is before
+            with pytest.raises(ShardtuneError, match="ties its input embedding to the LM head"):
+                offload_embedding(model, torch.device("cpu"), required=True)
+        else:
+            assert isinstance(moved, HostEmbedding)

@@ -72,6 +72,9 @@ COMPILED_UPDATE_AUTO_CALL = 92
 # model.liger_accum became `weight` (the head's gradient summed in bf16, Liger's own default) after call 100
 # (thirty-fourth session); earlier rows summed it in fp32 unless their overrides say otherwise.
 LIGER_ACCUM_WEIGHT_CALL = 101
+# peft.offload_embedding became `auto` (LoRA / QLoRA's untied input embedding on the host on the one-GPU direct
+# path) after call 103 (thirty-fourth session); earlier rows kept it on the GPU unless their overrides say otherwise.
+OFFLOAD_EMBEDDING_AUTO_CALL = 104
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -110,6 +113,9 @@ def _predictions() -> list[tuple[dict, object]]:
         if int(row["call"]) < LIGER_ACCUM_WEIGHT_CALL and not any(o.startswith("model.liger_accum=")
                                                                   for o in overrides):
             overrides = ["model.liger_accum=fp32", *overrides]
+        if int(row["call"]) < OFFLOAD_EMBEDDING_AUTO_CALL and not any(o.startswith("peft.offload_embedding=")
+                                                                      for o in overrides):
+            overrides = ["peft.offload_embedding=false", *overrides]
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured

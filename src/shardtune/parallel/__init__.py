@@ -143,7 +143,7 @@ TIED_EMBEDDING = ("peft.offload_embedding: this model ties its input embedding t
 def check_offload_embedding(cfg: Config, hf_config: Any) -> None:
     """peft.offload_embedding needs an input embedding of its own (not the LM head's): refused before launch from
     the model's config (parallel/host_embedding.py checks the module itself too)."""
-    if cfg.peft.offload_embedding and getattr(hf_config, "tie_word_embeddings", False):
+    if cfg.peft.offload_embedding is True and getattr(hf_config, "tie_word_embeddings", False):
         raise ShardtuneError(TIED_EMBEDDING)
 
 

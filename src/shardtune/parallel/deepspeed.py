@@ -75,7 +75,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     config shardtune builds on its own is one DeepSpeed accepts, and a `deepspeed:` section goes through
     DeepSpeed's parser in `validate` and in the launch (shardtune's merge of it is checked here either way)."""
     p = cfg.parallel
-    if cfg.peft.offload_embedding:
+    if cfg.peft.offload_embedding is True:
         raise ShardtuneError("peft.offload_embedding is the FSDP2 backend's one-GPU path; set "
                              "peft.offload_embedding=false, or parallel.backend=fsdp2")
     if cfg.optim.fused == "compiled":

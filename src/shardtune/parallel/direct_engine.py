@@ -29,7 +29,8 @@ class DirectBackend(FSDP2Backend):
     copies through the all-gather and reduce-scatter buffers)."""
 
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, loss: LossFn,
-                 max_grad_norm: float, *, compiled_update: bool = False, offload_embedding: bool = False) -> None:
+                 max_grad_norm: float, *, compiled_update: bool = False,
+                 offload_embedding: bool | str = False) -> None:
         super().__init__(parallel, precision, ctx, loss, max_grad_norm)
         # (owner module, attribute, compute-dtype parameter, fp32 master) per place a trainable weight sits (a
         # tied weight sits in two); the optimizer holds the masters
@@ -43,7 +44,7 @@ class DirectBackend(FSDP2Backend):
         self.compiled_update: CompiledAdamW | None = None
         self.micro_batches = 0  # micro-batches run since the last step
         self.grads_stay = False
-        self.wants_host_embedding = offload_embedding  # peft.offload_embedding
+        self.wants_host_embedding = offload_embedding  # peft.offload_embedding: true, "auto" or false
         self.host_embedding: HostEmbedding | None = None
 
     # ---- set-up -------------------------------------------------------------------------
@@ -67,7 +68,8 @@ class DirectBackend(FSDP2Backend):
         load_weights(model, weights, self.ctx.device)
         self.module = self.model = model
         if self.wants_host_embedding:
-            self.host_embedding = offload_embedding(model, self.ctx.device)
+            self.host_embedding = offload_embedding(model, self.ctx.device,
+                                                    required=self.wants_host_embedding is True)
         cast_adapters_in_forward(model, self.compute_dtype)
         seen: dict[int, nn.Parameter] = {}
         for owner in model.modules():

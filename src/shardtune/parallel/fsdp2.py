@@ -151,7 +151,7 @@ def check_direct_only(cfg: Config, world: int | None) -> None:
         raise ShardtuneError("optim.fused: compiled is the update of the one-GPU direct path (one process, "
                              "parallel.strategy zero2 / zero3, parallel.one_gpu auto or direct, AdamW, bf16 or fp32; "
                              "`shardtune plan` says whether a run takes it); set optim.fused=auto")
-    if cfg.peft.offload_embedding and (cfg.peft.method == "none" or not may_run_direct(cfg, world)):
+    if cfg.peft.offload_embedding is True and (cfg.peft.method == "none" or not may_run_direct(cfg, world)):
         raise ShardtuneError("peft.offload_embedding keeps a frozen input embedding on the host on the one-GPU "
                              "direct path (LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, "
                              "parallel.one_gpu auto or direct); set peft.offload_embedding=false")
@@ -192,8 +192,18 @@ def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
         return FSDP2Backend(*args)
     from shardtune.parallel.direct_engine import DirectBackend
 
-    return DirectBackend(*args, compiled_update=update_compiled(cfg, on_gpu=ctx.device.type == "cuda"),
-                         offload_embedding=cfg.peft.offload_embedding)
+    on_gpu = ctx.device.type == "cuda"
+    return DirectBackend(*args, compiled_update=update_compiled(cfg, on_gpu=on_gpu),
+                         offload_embedding=embedding_to_host(cfg, on_gpu=on_gpu))
+
+
+def embedding_to_host(cfg: Config, *, on_gpu: bool = True) -> bool | str:
+    """peft.offload_embedding as the direct path takes it: true (refused in one line where the model's embedding
+    cannot go), "auto" (LoRA / QLoRA on a GPU: to the host where the embedding allows it) or false."""
+    value = cfg.peft.offload_embedding
+    if value == "auto":
+        return "auto" if on_gpu and cfg.peft.method != "none" else False
+    return value
 
 
 def update_compiled(cfg: Config, *, on_gpu: bool = True) -> bool:

@@ -59,21 +59,31 @@ class HostEmbedding:
         return out.view(*ids.shape, weight.shape[1])
 
 
-def offload_embedding(model: nn.Module, device: torch.device) -> HostEmbedding:
-    """Move `model`'s frozen input embedding to host memory and look it up there (HostEmbedding, returned).
-    Refused in one line for an embedding that trains, is tied to the LM head (which multiplies by it on the GPU), or
-    is not a plain nn.Embedding (a scaled one, Gemma's, does more in its forward)."""
+def offload_embedding(model: nn.Module, device: torch.device, *, required: bool = True) -> HostEmbedding | None:
+    """Move `model`'s frozen input embedding to host memory and look it up there (HostEmbedding, returned). An
+    embedding that trains, is tied to the LM head (which multiplies by it on the GPU), or is not a plain
+    nn.Embedding (a scaled one, Gemma's, does more in its forward) stays: refused in one line when `required`
+    (peft.offload_embedding: true), else None (auto)."""
     module = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    if type(module) is not nn.Embedding or module.max_norm is not None:
-        raise ShardtuneError(f"peft.offload_embedding: the input embedding is a {type(module).__name__}, whose "
-                             "forward does more than a lookup; set peft.offload_embedding=false")
-    if module.weight.requires_grad:
-        raise ShardtuneError("peft.offload_embedding: the input embedding trains here (full fine-tuning or an adapter "
-                             "on it); it can be kept on the host only frozen; set peft.offload_embedding=false")
-    if head is not None and head.weight is module.weight:
-        raise ShardtuneError(TIED_EMBEDDING)
+    why = stays_on_gpu(module, model.get_output_embeddings())
+    if why:
+        if required:
+            raise ShardtuneError(why)
+        return None
     module.weight = nn.Parameter(module.weight.detach().to("cpu"), requires_grad=False)
     host = HostEmbedding(module, device)
     module.forward = host
     return host
+
+
+def stays_on_gpu(module: nn.Module, head: nn.Module | None) -> str:
+    """Why the input embedding `module` cannot be looked up on the host ("" where it can)."""
+    if type(module) is not nn.Embedding or module.max_norm is not None:
+        return (f"peft.offload_embedding: the input embedding is a {type(module).__name__}, whose forward does more "
+                "than a lookup; set peft.offload_embedding=false")
+    if module.weight.requires_grad:
+        return ("peft.offload_embedding: the input embedding trains here (full fine-tuning or an adapter on it); it "
+                "can be kept on the host only frozen; set peft.offload_embedding=false")
+    if head is not None and head.weight is module.weight:
+        return TIED_EMBEDDING
+    return ""

@@ -192,7 +192,8 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     set_checkpointing(p, s)
     p.activation_offload = s.activation_offload
-    new.peft.offload_embedding = s.offload_embedding
+    if s.offload_embedding != (new.peft.offload_embedding is not False):  # auto and true put it on the host
+        new.peft.offload_embedding = s.offload_embedding
     p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
     _say_shard_frozen(p, s)
     if s.offload == "none" or not s.nvme:
@@ -225,9 +226,9 @@ def _say_shard_frozen(parallel: Any, s: Setting) -> None:
 
 
 def free_knobs(cfg: Any) -> set[str]:
-    """Setting fields the planner may choose: the strategy's (backend, offload, checkpointing and
-    peft.offload_embedding too, unless the config sets them) under `parallel.strategy: auto`, and the micro-batch
-    under its `auto`."""
+    """Setting fields the planner may choose: the strategy's (backend, offload and checkpointing too, unless the
+    config sets them) under `parallel.strategy: auto`, and the micro-batch under its `auto`. peft.offload_embedding's
+    auto is a rule, not a search (the host wherever it runs: under 1% slower, measured), so the pick keeps it."""
     free = set()
     if cfg.parallel.strategy == "auto":
         free.add("strategy")
@@ -239,8 +240,6 @@ def free_knobs(cfg: Any) -> set[str]:
             free.add("memory_budget")  # a budget is a way of checkpointing (none with compile's recompute)
         if cfg.parallel.shard_frozen == "auto":
             free.add("shard_frozen")
-        if "offload_embedding" not in cfg.peft.model_fields_set:
-            free.add("offload_embedding")
     if cfg.train.micro_batch_size == "auto":
         free.add("micro_batch_size")
     return free
@@ -426,7 +425,6 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
         new.parallel.offload, new.parallel.activation_offload = s.offload, s.activation_offload
         set_checkpointing(new.parallel, s)
         _say_shard_frozen(new.parallel, s)
-        new.peft.offload_embedding = s.offload_embedding
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
     return new
@@ -443,8 +441,6 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
                 f"parallel.shard_frozen={str(p.shard_frozen).lower()}"]
         if p.activation_memory_budget is not None:
             out.append(f"parallel.activation_memory_budget={p.activation_memory_budget:g}")
-        if cfg.peft.offload_embedding:
-            out.append("peft.offload_embedding=true")
     if "train.micro_batch_size" in auto:
         out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return out

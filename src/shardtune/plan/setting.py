@@ -52,7 +52,7 @@ class Setting:
     dora: bool = False  # peft.use_dora
     optim: str = "adamw"
     compiled_update: bool = False  # optim.fused: compiled, or auto where it takes it (update_compiled: applies here)
-    offload_embedding: bool = False  # peft.offload_embedding (embedding_on_host: whether it applies here)
+    offload_embedding: bool = False  # peft.offload_embedding true or auto (embedding_on_host: whether it applies)
     attn: str = "sdpa"
     packing: bool = False
     async_checkpoint: bool = False
@@ -151,8 +151,8 @@ class Setting:
 
     @property
     def embedding_offloaded(self) -> bool:
-        """peft.offload_embedding is set and runs here: PEFT on the one-GPU direct path (the config refuses a tied
-        embedding; embedding_on_host checks the model)."""
+        """peft.offload_embedding (true or auto) runs here: PEFT on the one-GPU direct path (embedding_on_host checks
+        the model's embedding too)."""
         return self.offload_embedding and self.peft != "none" and self.one_gpu_direct
 
     def embedding_on_host(self, m: ModelShape) -> bool:
@@ -235,7 +235,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
-        compiled_update=update_compiled(cfg), offload_embedding=cfg.peft.offload_embedding,
+        compiled_update=update_compiled(cfg), offload_embedding=cfg.peft.offload_embedding is not False,
         attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
