@@ -242,14 +242,14 @@ def test_the_planner_prices_what_it_holds_and_moves() -> None:
 
     fused, compiled = setting(), setting("optim.fused=compiled")
     accumulated = setting("optim.fused=compiled", "train.grad_accum=2")
-    assert fused.one_gpu_direct and compiled.update_compiled and not fused.update_compiled
+    assert fused.one_gpu_direct and compiled.compiled_update_runs and not fused.compiled_update_runs
     assert model_states(shape, compiled)["gradients"] == model_states(shape, fused)["gradients"] / 2
     assert model_states(shape, accumulated)["gradients"] == model_states(shape, fused)["gradients"]
     assert optimizer_bytes(fused) + fused.rules.copy_bytes(shape, fused) / shape.params == 28 + 6
     assert optimizer_bytes(compiled) == 30 and compiled.rules.copy_bytes(shape, compiled) == 0
     assert optimizer_bytes(accumulated) == 34
     two = setting("optim.fused=compiled", world=2)  # FSDP2 on two processes: not the direct path
-    assert not two.update_compiled and two.gradient_bytes == 4 and optimizer_bytes(two) == 28
+    assert not two.compiled_update_runs and two.gradient_bytes == 4 and optimizer_bytes(two) == 28
 
 
 def test_few_small_graphs_serve_every_parameter(without_inductor) -> None:
@@ -279,19 +279,19 @@ def test_few_small_graphs_serve_every_parameter(without_inductor) -> None:
 def test_auto_takes_the_compiled_update_where_it_was_measured_faster() -> None:
     # optim.fused: auto on a GPU: bf16 full fine-tuning with compiled blocks, one micro-batch a step (the 1B shape on
     # one H100: +5.3% / +5.1%, calls 87-88); elsewhere torch's fused AdamW as before. The planner prices the same.
-    from shardtune.parallel.fsdp2 import describe, update_compiled
+    from shardtune.parallel.fsdp2 import describe, takes_compiled_update
     from shardtune.plan import describe as plan_describe
     from shardtune.plan.setting import setting_from_config
 
     base = ["train.precision=bf16", "parallel.strategy=zero2", "parallel.compile=true"]
     cfg = load_config(TINY, base)
-    assert update_compiled(cfg, on_gpu=True) and not update_compiled(cfg, on_gpu=False)
-    assert setting_from_config(cfg, 1, 1).update_compiled
+    assert takes_compiled_update(cfg, on_gpu=True) and not takes_compiled_update(cfg, on_gpu=False)
+    assert setting_from_config(cfg, 1, 1).compiled_update_runs
     assert "one_gpu direct), the compiled update" in plan_describe(setting_from_config(cfg, 1, 1))
     assert "the compiled update (optim.fused: auto, on a GPU)" in describe(cfg, 1)
     for other in ("parallel.compile=false", "train.precision=fp32", "train.grad_accum=2", "peft.method=lora",
                   "optim.fused=true", "optim.name=adamw8bit", "train.float8=tensorwise"):
         changed = load_config(TINY, [*base, other])
-        assert not update_compiled(changed, on_gpu=True), other
-        assert not setting_from_config(changed, 1, 1).update_compiled, other
-    assert not setting_from_config(cfg, 2, 2).update_compiled  # FSDP2 on two processes: not the direct path
+        assert not takes_compiled_update(changed, on_gpu=True), other
+        assert not setting_from_config(changed, 1, 1).compiled_update_runs, other
+    assert not setting_from_config(cfg, 2, 2).compiled_update_runs  # FSDP2 on two processes: not the direct path

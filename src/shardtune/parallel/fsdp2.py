@@ -165,7 +165,7 @@ def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
         return "torch DDP (replicated)"
     if runs_direct(cfg, world):
         update = ""
-        if update_compiled(cfg):  # auto takes it on a GPU only
+        if takes_compiled_update(cfg):  # auto takes it on a GPU only
             how = "compiled" if cfg.optim.fused == "compiled" else "auto, on a GPU"
             update = f"; the compiled update (optim.fused: {how})"
         return ("one process without FSDP2: compute-dtype weights in the model, fp32 masters in the optimizer "
@@ -193,7 +193,7 @@ def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
     from shardtune.parallel.direct_engine import DirectBackend
 
     on_gpu = ctx.device.type == "cuda"
-    return DirectBackend(*args, compiled_update=update_compiled(cfg, on_gpu=on_gpu),
+    return DirectBackend(*args, compiled_update=takes_compiled_update(cfg, on_gpu=on_gpu),
                          offload_embedding=embedding_to_host(cfg, on_gpu=on_gpu))
 
 
@@ -206,7 +206,7 @@ def embedding_to_host(cfg: Config, *, on_gpu: bool = True) -> bool | str:
     return value
 
 
-def update_compiled(cfg: Config, *, on_gpu: bool = True) -> bool:
+def takes_compiled_update(cfg: Config, *, on_gpu: bool = True) -> bool:
     """Whether a run on the one-GPU direct path takes the compiled update (parallel/compiled_adamw.py):
     optim.fused: compiled, or auto where it was measured faster than fused AdamW: AdamW, full fine-tuning in bf16
     with compiled blocks (parallel.compile: true: a run that compiles anyway), one micro-batch a step (the update

@@ -101,7 +101,7 @@ def describe(s: Setting) -> str:
     if s.embedding_offloaded:
         parts.append("input embedding in host memory")
     if s.one_gpu_direct:
-        parts.append("without FSDP2 (one_gpu direct)" + (", the compiled update" if s.update_compiled else ""))
+        parts.append("without FSDP2 (one_gpu direct)" + (", the compiled update" if s.compiled_update_runs else ""))
     parts.append(f"micro-batch {s.micro_batch_size}")
     if s.liger_kernels or s.fused_loss_runs:
         parts.append("liger " + " + ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss_runs))

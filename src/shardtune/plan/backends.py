@@ -155,7 +155,7 @@ class Fsdp2Rules:
         p = s.compute_bytes
         trainable = m.params if s.peft == "none" else m.lora_params
         if s.one_gpu_direct:  # the compiled update writes the copies as it updates (speed.optimizer_bytes)
-            return 0.0 if p == 4 or s.update_compiled else trainable * (4 + p)
+            return 0.0 if p == 4 or s.compiled_update_runs else trainable * (4 + p)
         gathers = {"ddp": 0, "zero2": 1}.get(s.strategy, 2)
         copied = m.lora_params if s.frozen_local else m.params
         return gathers * s.grad_accum * 2 * copied * p

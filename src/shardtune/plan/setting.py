@@ -51,7 +51,7 @@ class Setting:
     base_dtype: str = "auto"
     dora: bool = False  # peft.use_dora
     optim: str = "adamw"
-    compiled_update: bool = False  # optim.fused: compiled, or auto where it takes it (update_compiled: applies here)
+    compiled_update: bool = False  # optim.fused: compiled, or auto where it takes it (compiled_update_runs: applies)
     offload_embedding: bool = False  # peft.offload_embedding true or auto (embedding_on_host: whether it applies)
     attn: str = "sdpa"
     packing: bool = False
@@ -145,7 +145,7 @@ class Setting:
             optim=self.optim, activation_offload=self.activation_offload, base_dtype=self.base_dtype)
 
     @property
-    def update_compiled(self) -> bool:
+    def compiled_update_runs(self) -> bool:
         """The direct path's compiled update runs (optim.fused: compiled; parallel/compiled_adamw.py)."""
         return self.compiled_update and self.optim == "adamw" and self.one_gpu_direct
 
@@ -164,7 +164,7 @@ class Setting:
     def bf16_gradients_updated(self) -> bool:
         """The compiled update reads full fine-tuning's bf16 / fp16 gradients as autograd made them (one
         micro-batch a step): no fp32 gradient copy, and no cast of each gradient in backward."""
-        return self.update_compiled and self.grad_accum == 1 and self.peft == "none" and self.compute_bytes < 4
+        return self.compiled_update_runs and self.grad_accum == 1 and self.peft == "none" and self.compute_bytes < 4
 
     @property
     def gradient_bytes(self) -> int:
@@ -222,7 +222,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
     kernels go in as models.liger_rules.liger_kernels_wanted says."""
     from shardtune.models.liger_rules import chunk_tokens, head_adapted, liger_kernels_wanted
-    from shardtune.parallel.fsdp2 import frozen_whole, update_compiled
+    from shardtune.parallel.fsdp2 import frozen_whole, takes_compiled_update
 
     p, t = cfg.parallel, cfg.train
     return Setting(
@@ -235,7 +235,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
-        compiled_update=update_compiled(cfg), offload_embedding=cfg.peft.offload_embedding is not False,
+        compiled_update=takes_compiled_update(cfg), offload_embedding=cfg.peft.offload_embedding is not False,
         attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),

@@ -77,7 +77,7 @@ def optimizer_bytes(s: Setting) -> float:
     24 bytes of p, m, v read and written, 2 x g, and p. Its other saving, the gradient cast into an fp32 master
     during backward, sits inside the direct path's fitted efficiency (DIRECT_EFF) and is not credited until
     measured."""
-    if s.update_compiled:
+    if s.compiled_update_runs:
         return 24.0 + 2 * s.gradient_bytes + (s.compute_bytes if s.peft == "none" else 0)
     return OPTIM_BYTES[s.optim]
 # The fused NF4 dequantisation kernel moved 1,722 GB/s on an H200 (bench/nf4_linear.py; 0.35 of its HBM fitted to
