@@ -390,3 +390,30 @@ def test_the_host_embedding_lookup_does_not_wait_for_the_gpu():
     with pytest.warns(UserWarning, match="without the batch's host copy"):  # no host ids: it waits, and says so
         again = host(gpu_ids)
     assert host.waited == 1 and torch.equal(again, rows)
+
+
+def test_lora_takes_the_host_embedding_by_default_on_a_gpu_and_trains_as_with_it_on_the_gpu(tmp_path):
+    """peft.offload_embedding: auto (the default since call 103): LoRA on a GPU with an untied embedding plans and
+    runs it on the host, with the losses of the table on the GPU (the same rows; the lookup's order is the only
+    difference, none in bf16 copies); set false, the plan keeps it on the GPU."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "untied"
+    assert shardtune("init-model", str(folder), "--preset", "tiny-llama", "--seed", "1").returncode == 0
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].flip(0).clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    losses, logs = {}, {}
+    for name, extra in (("auto", []), ("gpu", ["peft.offload_embedding=false"])):
+        out = tmp_path / name
+        proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
+                         f"model.path={folder}", "model.preset=null", "peft.method=lora", "train.precision=bf16",
+                         "train.max_steps=10", "log.every=1", "train.lr=0.003", *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+        losses[name], logs[name] = [r["loss"] for r in records if "loss" in r], proc.stdout + proc.stderr
+    assert "input embedding in host memory" in logs["auto"]  # the plan line on a GPU
+    assert "input embedding in host memory" not in logs["gpu"]
+    assert len(losses["auto"]) == 10 and losses["auto"] == pytest.approx(losses["gpu"], rel=1e-5)
