@@ -27,7 +27,7 @@ from shardtune.plan.search import (
     search,
     smallest_fixes,
 )
-from shardtune.plan.setting import Setting, setting_from_config
+from shardtune.plan.setting import Setting, host_embedding_asked, setting_from_config
 from shardtune.plan.shape import ModelShape, model_shape
 
 __all__ = ["ModelShape", "Plan", "Setting", "make_plan", "refusal", "resolve_auto", "resolve_hardware"]
@@ -192,7 +192,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     set_checkpointing(p, s)
     p.activation_offload = s.activation_offload
-    if s.offload_embedding != (new.peft.offload_embedding is not False):  # auto and true put it on the host
+    if s.offload_embedding != host_embedding_asked(new.peft.offload_embedding):
         new.peft.offload_embedding = s.offload_embedding
     p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
     _say_shard_frozen(p, s)

@@ -52,7 +52,7 @@ class Setting:
     dora: bool = False  # peft.use_dora
     optim: str = "adamw"
     compiled_update: bool = False  # optim.fused: compiled, or auto where it takes it (compiled_update_runs: applies)
-    offload_embedding: bool = False  # peft.offload_embedding true or auto (embedding_on_host: whether it applies)
+    offload_embedding: bool = True  # peft.offload_embedding true or auto (embedding_on_host: whether it applies)
     attn: str = "sdpa"
     packing: bool = False
     async_checkpoint: bool = False
@@ -217,6 +217,12 @@ class Setting:
                 "offload_embedding": self.embedding_offloaded, "micro_batch_size": self.micro_batch_size}
 
 
+def host_embedding_asked(value: bool | str) -> bool:
+    """peft.offload_embedding as the planner reads it: true and auto ask for the host (Setting.embedding_on_host
+    says where that applies), false keeps the table on the GPU."""
+    return value is not False
+
+
 def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = False) -> Setting:
     """The Setting a Config describes; `auto` strategy / micro-batch take placeholders the search replaces.
     `liger`: whether model.liger applies to this run on the hardware planned for (plan.liger_applies); its
@@ -235,7 +241,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         compile=p.compile, micro_batch_size=t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
-        compiled_update=takes_compiled_update(cfg), offload_embedding=cfg.peft.offload_embedding is not False,
+        compiled_update=takes_compiled_update(cfg), offload_embedding=host_embedding_asked(cfg.peft.offload_embedding),
         attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
