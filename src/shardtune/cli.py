@@ -18,6 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # shardtune never downloads at run
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from shardtune.errors import ShardtuneError
+from shardtune.runtime import quiet_library_noise
+
+quiet_library_noise()  # every command and worker imports this module before transformers (and torchao with it)
 
 
 def _nproc(text: str) -> int | str:

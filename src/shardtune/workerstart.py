@@ -18,8 +18,9 @@ import traceback
 from typing import Any
 
 WORKER_START_ENV = "SHARDTUNE_WORKER_START"
-PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
-           "shardtune.workerstart", "shardtune.cli", "shardtune.train.loop"]
+# shardtune.cli before transformers: it quiets the libraries' noise before they log it (runtime.quiet_library_noise).
+PRELOAD = ["torch", "torch.distributed", "shardtune.cli", "transformers", "transformers.models.llama.modeling_llama",
+           "shardtune.workerstart", "shardtune.train.loop"]
 # The forkserver's environment when it imported this module: what a worker's rank variables are told apart from.
 _BASELINE = dict(os.environ)
 # The launch that forked this worker: called by clean_exit before it ends the process (see `_report_done`).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import MICRO, ROOT
 
 from shardtune.config import ConfigError, load_config
 from shardtune.models.build import build_on_meta, load_hf_config, restore_buffers
@@ -50,12 +50,12 @@ def test_cuda_graph_settings_are_recognised():
 
 
 def test_the_options_reach_each_blocks_compile(tmp_path):
-    """Inductor's trace option writes its debug folder when a block compiles: proof the options got there; the
-    compiled blocks give eager's loss."""
+    """Inductor's trace option writes its debug folder when a block compiles: proof the options got there, for
+    every block; the compiled blocks give eager's loss. (micro-llama: two blocks, half tiny-llama's compiles.)"""
     opts = (f"parallel.compile_options={{trace.enabled: true, trace.debug_dir: {tmp_path}, "
             "fx_graph_cache: false}")  # a cache hit would compile nothing
     losses = []
-    for overrides in ([], ["parallel.compile=true", opts]):
+    for overrides in ([MICRO], [MICRO, "parallel.compile=true", opts]):
         cfg = load_config(TINY, overrides)
         model = build_on_meta(load_hf_config(cfg.model), "sdpa").to_empty(device="cpu")
         torch.manual_seed(0)
@@ -66,7 +66,8 @@ def test_the_options_reach_each_blocks_compile(tmp_path):
         ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
         losses.append(float(model(input_ids=ids, labels=ids).loss))
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-    assert list(tmp_path.rglob("output_code.py")), "Inductor wrote no trace: the options did not reach compile"
+    traces = list(tmp_path.rglob("output_code.py"))
+    assert len(traces) == len(model.model.layers) == 2, f"{len(traces)} traces: the options missed a block's compile"
 
 
 def test_cuda_graphs_under_checkpointing_around_the_blocks_are_refused_before_launch(cli):

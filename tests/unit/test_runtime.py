@@ -1,15 +1,18 @@
 """young_gc_only: no automatic full collection inside the block; young ones go on. collect_between_steps: no
-automatic collection at all, the loop's own between steps, timed."""
+automatic collection at all, the loop's own between steps, timed. quiet_library_noise: other libraries' records
+that say nothing to act on are dropped, and nothing else of theirs."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import subprocess
 import sys
 import weakref
 
 import pytest
 
-from shardtune.runtime import collect_between_steps, young_gc_only
+from shardtune.runtime import collect_between_steps, quiet_library_noise, young_gc_only
 
 
 class _Node:
@@ -63,3 +66,53 @@ def test_collect_between_steps_runs_only_the_loops_collections_and_frees_cycles(
         clock.collect()
         assert ref() is None and clock.take() > 0.0  # freed there, and timed
     assert gc.isenabled() and clock not in gc.callbacks
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_library_noise_is_dropped_and_nothing_else():
+    import torch
+
+    quiet_library_noise()
+    quiet_library_noise()  # once is enough; twice changes nothing
+    torchao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    kept = _Kept()  # on the loggers themselves: torch's do not propagate to the root
+    for logger in (torchao, pytree):
+        logger.addHandler(kept)
+    try:
+        torchao.warning("Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+                        "Could not load this library")
+        torchao.warning("Skipping import of cpp extensions due to incompatible torch version.")
+        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value "
+                       "type. Calling register_constant() on Enum subclasses is deprecated.", "<enum 'Kernel'>")
+        pytree.warning("another pytree warning")
+    finally:
+        for logger in (torchao, pytree):
+            logger.removeHandler(kept)
+    cuda_kernels_kept = torch.version.cuda is not None  # where a CUDA kernel's failed load means something
+    assert any("Failed to load" in m for m in kept.messages) == cuda_kernels_kept
+    assert "Skipping import of cpp extensions due to incompatible torch version." in kept.messages
+    assert not any("Enum subclass" in m for m in kept.messages) and "another pytree warning" in kept.messages
+    assert len(torchao.filters) == len(pytree.filters) == 1
+
+
+def test_a_command_imports_transformers_models_without_the_noise():
+    """What a run's first lines were on a CPU machine with torchao installed (transformers imports it with its
+    first model class): a fresh interpreter that imports the CLI, then a model class."""
+    code = ("import shardtune.cli, transformers\n"
+            "from transformers import LlamaForCausalLM\n"
+            "import torchao\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Enum subclass" not in proc.stderr
+    import torch
+
+    if torch.version.cuda is None:
+        assert "Failed to load" not in proc.stderr
