@@ -179,9 +179,10 @@ class ParallelConfig(_Section):
                             "compiled code (torchtitan's order: checkpoint, then compile), so the recompute runs "
                             "inside the compiled backward and leaves out what no gradient reads; false: around it "
                             "(a recompute from Python, which CUDA graphs cannot run). auto: inside, except with "
-                            "activation_offload (whose hooks need the block inputs saved outside the compiled "
-                            "code). On one H100, inside against around: 8B LoRA bf16 +8.6%, QLoRA +8.5%, float8 "
-                            "micro-batch 4 +6% (2.01x HF + PEFT + Liger), at 0.4-0.6 GiB more. Selective "
+                            "activation_offload (long sequences, where inside's backward holds 2 x p x f bytes per "
+                            "token more; true runs the two together). On one H100, inside against around: 8B "
+                            "LoRA bf16 +8.6%, QLoRA +8.5%, float8 micro-batch 4 +6% (2.01x HF + PEFT + Liger), at "
+                            "0.4-0.6 GiB more. Selective "
                             "checkpointing under compile is always inside (its per-op policy sees the ops only "
                             "there).")
     activation_memory_budget: float | None = Field(
@@ -199,7 +200,8 @@ class ParallelConfig(_Section):
                            "forward and back in backward (as torch.autograd.graph.save_on_cpu, in power-of-two "
                            "pieces; on GPUs both copies run on a side stream, overlapped with compute). With "
                            "activation_checkpointing: full that is each block's input, which bounds the longest "
-                           "trainable sequence. fsdp2 only; with compile only under checkpointing. Under "
+                           "trainable sequence. fsdp2 only; with compile only under full checkpointing (around the "
+                           "compiled blocks, or inside them with checkpoint_in_compile true). Under "
                            "parallel.strategy: auto the planner turns it on where nothing fits without it.")
     one_gpu: Literal["auto", "fsdp2", "direct"] = Field(
         "auto", description="How zero2 / zero3 run on a single process. fsdp2: FSDP2 on a mesh of one (it still "

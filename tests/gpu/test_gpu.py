@@ -295,11 +295,15 @@ def test_activation_offload_bounds_the_copies_back_the_host_queues(monkeypatch, 
     assert all(b.shape == shape for b in back)
 
 
-@pytest.mark.parametrize("checkpointing, compiled", [("full", False), ("none", False), ("full", True)])
-def test_activation_offload_on_the_gpu_keeps_the_loss_and_gradients(checkpointing, compiled):
+@pytest.mark.parametrize("checkpointing, compiled, inside", [("full", False, "auto"), ("none", False, "auto"),
+                                                              ("full", True, "true"), ("full", True, "false")])
+def test_activation_offload_on_the_gpu_keeps_the_loss_and_gradients(checkpointing, compiled, inside):
     """The tiny model in fp32 on the GPU, every saved tensor through the side-stream copies: the loss and
-    gradients of the run without offload (compiled blocks: of the compiled run without offload)."""
-    overrides = [f"parallel.activation_checkpointing={checkpointing}", f"parallel.compile={str(compiled).lower()}"]
+    gradients of the run without offload (compiled blocks: of the compiled run without offload), the checkpoint
+    inside the compiled blocks (the hooks take what the compiled code saves; what this case ran before the
+    parameter, offload_test_model's config leaving the offload out: passed in call 96) or around them."""
+    overrides = [f"parallel.activation_checkpointing={checkpointing}", f"parallel.compile={str(compiled).lower()}",
+                 f"parallel.checkpoint_in_compile={inside}"]
     ids = torch.randint(0, 250, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()
     results = []
     for offload in (False, True):

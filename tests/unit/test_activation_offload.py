@@ -15,9 +15,9 @@ from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
 from shardtune.models.build import load_hf_config
 from shardtune.models.presets import preset_config
-from shardtune.parallel import check_combination, prepare
+from shardtune.parallel import check_combination, checkpoint_traced, prepare
 from shardtune.plan.hardware import lookup
-from shardtune.plan.memory import GIB, gpu_memory, offloaded_activations
+from shardtune.plan.memory import GIB, INSIDE_FIXED, INSIDE_RECOMPUTE, gpu_memory, offloaded_activations
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import model_shape
 from shardtune.plan.speed import offload_seconds
@@ -72,17 +72,26 @@ def test_offload_keeps_the_loss_and_gradients_and_moves_the_block_inputs(checkpo
     assert all(t.numel() * 4 != logits for t in moved)  # the LM head's output (the logits) is not the decoder's
 
 
-@pytest.mark.parametrize("checkpointing", ["full"])  # selective under compile: refused (test_checkpoint_in_compile)
-def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(checkpointing: str, without_inductor) -> None:
-    """Compiled blocks under checkpointing: the offload hooks see what the checkpoint saves (the blocks' inputs)
-    outside the compiled code; two steps give compile's own losses and gradients, and the inputs moved. (Traced by
-    Dynamo and AOTAutograd without Inductor's code: the GPU test runs the offload with Inductor's.)"""
+# around: what checkpoint_in_compile auto takes with the offload (offload_test_model adds the hooks, not the setting)
+@pytest.mark.parametrize("where", ["false", "true"])  # selective under compile: refused (test_checkpoint_in_compile)
+def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(where: str, without_inductor) -> None:
+    """Compiled blocks under full checkpointing, the checkpoint around them (false) or inside them (true): the
+    offload hooks see the blocks' inputs, saved by the checkpoint outside the
+    compiled code or by the compiled code itself (AOTAutograd saves its tensors through autograd too); two steps
+    give compile's own losses and gradients, and every block input moved. (Traced by Dynamo and AOTAutograd
+    without Inductor's code: the GPU test runs the offload with Inductor's.)"""
     ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
-    results = []
+    overrides = ["parallel.activation_checkpointing=full", "parallel.compile=true",
+                 f"parallel.checkpoint_in_compile={where}"]
+    assert checkpoint_traced(load_config(TINY, overrides).parallel) == (where == "true")
+    results, inputs, moved = [], [], []
     for offload in (False, True):
-        model, blocks, hooks = offload_test_model([f"parallel.activation_checkpointing={checkpointing}",
-                                                   "parallel.compile=true"], "cpu", offload)
-        losses = []
+        model, blocks, hooks = offload_test_model(overrides, "cpu", offload)
+        for block in blocks:
+            block.register_forward_pre_hook(lambda _module, args: inputs.append(args[0].untyped_storage().data_ptr()))
+        if hooks is not None:
+            hooks.pack_hook = _recording(hooks.pack_hook, moved)
+        losses, inputs[:] = [], []
         for _ in range(2):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -92,7 +101,8 @@ def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(checkpointi
     assert losses == plain_losses
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
-    assert hooks.moved_bytes >= 2 * len(blocks) * ids.numel() * model.config.hidden_size * 4  # two steps' inputs
+    assert set(inputs) <= {t.untyped_storage().data_ptr() for t in moved}  # both steps' block inputs
+    assert hooks.moved_bytes >= 2 * len(blocks) * ids.numel() * model.config.hidden_size * 4
 
 
 def test_small_tensors_and_the_default_threshold_stay() -> None:
@@ -183,6 +193,21 @@ def test_the_planner_moves_the_block_inputs_to_the_host() -> None:
     h200 = lookup("h200")
     assert offload_seconds(shape, on, h200) == pytest.approx(2 * inputs / h200.h2d_bytes_per_s)
     assert offload_seconds(shape, base, h200) == 0.0
+
+
+def test_the_planner_prices_the_offload_with_the_checkpoint_inside_or_around() -> None:
+    """With compiled blocks and the offload, checkpoint_in_compile auto keeps the checkpoint around (the long
+    sequences the offload is for: inside, the recompute's backward holds 2 x p x f bytes per token more); true
+    puts it inside. The same block inputs go to the host either way."""
+    shape = model_shape(preset_config("llama-3.1-8b"))
+    tokens = 131072
+    around = Setting(peft="qlora", activation_checkpointing="full", micro_batch_size=1, seq_len=tokens,
+                     fused_loss=True, compile=True, activation_offload=True)
+    inside = Setting(**{**around.__dict__, "checkpoint_in_compile": True})
+    assert not around.checkpoint_traced and inside.checkpoint_traced
+    assert offloaded_activations(shape, inside) == offloaded_activations(shape, around)
+    more = gpu_memory(shape, inside).allocated - gpu_memory(shape, around).allocated
+    assert more == pytest.approx(INSIDE_RECOMPUTE * 2 * shape.ffn * tokens + INSIDE_FIXED, rel=1e-6)
 
 
 def test_offload_is_refused_where_it_does_not_run() -> None:

@@ -167,16 +167,19 @@ def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
                              "parallel.activation_offload=true"])
     with pytest.raises(ShardtuneError, match=r"activation_checkpointing=full \(and remove parallel\.activation_memory"):
         check_combination(cfg)
-    cfg = load_config(TINY, ["parallel.compile=true", "parallel.checkpoint_in_compile=true",
-                             "parallel.activation_checkpointing=full", "parallel.activation_offload=true"])
-    with pytest.raises(ShardtuneError, match="activation_offload cannot move them") as err:
-        check_combination(cfg)
-    assert "\n" not in str(err.value)
-    # selective under compile is always traced (its policy sees the ops only then): the same refusal, named
+    # full checkpointing inside the compiled blocks runs with the offload (its hooks take the block inputs the
+    # compiled code saves: test_activation_offload)
+    inside_offload = load_config(TINY, ["parallel.compile=true", "parallel.checkpoint_in_compile=true",
+                                        "parallel.activation_checkpointing=full", "parallel.activation_offload=true"])
+    check_combination(inside_offload)
+    assert checkpoint_traced(inside_offload.parallel)
+    # selective under compile is always traced (its policy sees the ops only then), and the offload would take
+    # every output it keeps: refused
     cfg = load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=selective",
                              "parallel.activation_offload=true"])
-    with pytest.raises(ShardtuneError, match=r"selective with parallel\.compile: the block inputs"):
+    with pytest.raises(ShardtuneError, match=r"selective with parallel\.compile: parallel\.activation_off") as err:
         check_combination(cfg)
+    assert "\n" not in str(err.value)
     # auto: around the compiled blocks with the offload, so the two run together
     auto_offload = load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
                                       "parallel.activation_offload=true"])
@@ -191,6 +194,12 @@ def test_settings_it_cannot_run_with_are_refused_in_one_line() -> None:
         with pytest.raises(ShardtuneError, match=r"pytorch/pytorch#154306"):
             check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
                                                  "parallel.compile_mode=reduce-overhead", *around]))
+    # inside with the offload: never run with CUDA graphs, refused
+    with pytest.raises(ShardtuneError, match=r"CUDA graphs with parallel\.activation_offload are not supported"):
+        check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_checkpointing=full",
+                                             "parallel.compile_mode=reduce-overhead",
+                                             "parallel.checkpoint_in_compile=true",
+                                             "parallel.activation_offload=true"]))
 
 
 def test_full_checkpointing_traced_by_compile_recomputes_every_op() -> None:

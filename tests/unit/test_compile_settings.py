@@ -66,8 +66,9 @@ def test_the_options_reach_each_blocks_compile(tmp_path):
         ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
         losses.append(float(model(input_ids=ids, labels=ids).loss))
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-    traces = list(tmp_path.rglob("output_code.py"))
-    assert len(traces) == len(model.model.layers) == 2, f"{len(traces)} traces: the options missed a block's compile"
+    forwards = [p for p in tmp_path.rglob("output_code.py") if "_forward_" in p.parent.name]  # (a backward compiles
+    # now or at its first use, by what earlier tests in the process left set)
+    assert len(forwards) == len(model.model.layers) == 2, f"{len(forwards)} forward traces: a block's compile missed"
 
 
 def test_cuda_graphs_under_checkpointing_around_the_blocks_are_refused_before_launch(cli):

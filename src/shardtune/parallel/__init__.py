@@ -109,8 +109,11 @@ def traces_checkpoint(compiled: bool, checkpointing: str, in_compile: bool | str
     """Whether compile traces each block's checkpoint: always for selective checkpointing, whose per-op policy sees
     the ops only while Dynamo traces them (around a compiled block it would see Inductor's kernels, match no matmul,
     and recompute everything, as full does); for full with parallel.checkpoint_in_compile true, or auto without
-    activation_offload (whose hooks take the block inputs saved outside the compiled code). Shared with the
-    planner's Setting, whose search varies the checkpointing and the offload."""
+    activation_offload. The offload is for sequences too long for the GPU, where the inside recompute's backward
+    would hold 2 x p x f bytes per token more (plan/memory.py INSIDE_RECOMPUTE: 17.5 GiB at 327,680 tokens of the
+    8B shape), so auto keeps the checkpoint around there; true runs both (the offload's hooks also take the block
+    inputs the compiled code saves). Shared with the planner's Setting, whose search varies the checkpointing and
+    the offload."""
     if not compiled or checkpointing == "none":
         return False
     if checkpointing == "selective":
@@ -119,14 +122,14 @@ def traces_checkpoint(compiled: bool, checkpointing: str, in_compile: bool | str
 
 
 def check_checkpoint_in_compile(p: ParallelConfig) -> None:
-    """A checkpoint traced by compile leaves no block input saved outside the compiled code, where
-    activation_offload's hooks take them."""
-    if checkpoint_traced(p) and p.activation_offload:
-        what = ("parallel.checkpoint_in_compile=true" if p.activation_checkpointing == "full"
-                else "parallel.activation_checkpointing=selective with parallel.compile")
-        raise ShardtuneError(f"{what}: the block inputs are then saved inside the compiled code, where "
-                             "parallel.activation_offload cannot move them; use activation_checkpointing=full "
-                             "(and checkpoint_in_compile auto or false) with the offload, or activation_offload=false")
+    """Selective checkpointing under compile is traced, so the offload's hooks would take every output it keeps
+    (the compiled code's saved tensors), not the block inputs alone that the planner prices and the tests cover:
+    refused. Full checkpointing traced (checkpoint_in_compile true) runs with the offload."""
+    if p.compile and p.activation_checkpointing == "selective" and p.activation_offload:
+        raise ShardtuneError("parallel.activation_checkpointing=selective with parallel.compile: "
+                             "parallel.activation_offload is not built for it (it would move every output selective "
+                             "keeps, not the block inputs); use activation_checkpointing=full with the offload, or "
+                             "activation_offload=false")
 
 
 def cudagraphs_rule_out_checkpointing(p: ParallelConfig) -> bool:
@@ -158,15 +161,23 @@ def check_cudagraphs(p: ParallelConfig) -> None:
     """CUDA graph trees under activation checkpointing: the recompute in backward keeps a graph's input alive
     that died while it was recorded, and torch stops the run in the first backward ("graph recording observed an
     input tensor deallocate during graph recording that did not occur during replay", pytorch/pytorch#154306;
-    8B LoRA with full checkpointing on an H100, bench/RESULTS.md twenty-sixth session). Refused before launch."""
-    if uses_cudagraphs(p) and p.activation_checkpointing != "none" and not checkpoint_traced(p):
-        what = (f"parallel.compile_mode={p.compile_mode}" if p.compile_mode != "default"
-                else "parallel.compile_options triton.cudagraphs")
+    8B LoRA with full checkpointing on an H100, bench/RESULTS.md twenty-sixth session). With the checkpoint inside
+    the graph they ran; not with activation_offload too (the graphs' outputs live in their own memory pool,
+    which the offload's copies were never run against). Refused before launch."""
+    if not uses_cudagraphs(p):
+        return
+    what = (f"parallel.compile_mode={p.compile_mode}" if p.compile_mode != "default"
+            else "parallel.compile_options triton.cudagraphs")
+    if p.activation_checkpointing != "none" and not checkpoint_traced(p):
         raise ShardtuneError(f"{what}: CUDA graphs fail in the recompute of activation_checkpointing "
                              f"{p.activation_checkpointing} (pytorch/pytorch#154306); use parallel.compile_mode="
                              "default or max-autotune-no-cudagraphs, parallel.activation_checkpointing=none, or "
-                             "parallel.checkpoint_in_compile auto or true without activation_offload (the recompute "
-                             "inside the graph: it ran on an H100)")
+                             "parallel.checkpoint_in_compile auto or true without activation_offload (the "
+                             "recompute inside the graph: it ran on an H100)")
+    if p.activation_offload:
+        raise ShardtuneError(f"{what}: CUDA graphs with parallel.activation_offload are not supported (never run "
+                             "together); use parallel.compile_mode=default or max-autotune-no-cudagraphs, or "
+                             "activation_offload=false")
 
 
 def check_strategy(p: ParallelConfig) -> None:
