@@ -6,9 +6,10 @@
 Each run is `python3 -m shardtune train bench/bench.yaml` with the llama-3.1-8b preset (131,072 positions; past
 that, model.max_position_embeddings is raised with the preset's RoPE scaling kept), QLoRA, full activation
 checkpointing, Liger's fused loss (`model.liger=loss`: the logits are never materialised), and one text of at
-least SEQ tokens per step; `offload` adds parallel.activation_offload, `compile` parallel.compile, and
-`offload_compile` both. `--hf` adds Hugging Face Trainer + PEFT +
-bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora, HF_LIGER=1) at the same lengths. A run that
+least SEQ tokens per step; `offload` adds parallel.activation_offload, `compile` parallel.compile,
+`offload_compile` both, and `offload_inside` both with the checkpoint inside the compiled blocks. `--hf` adds
+Hugging Face Trainer + PEFT + bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora, HF_LIGER=1) at
+the same lengths. A run that
 fails (out of memory) ends that variant's doubling: the longest length that trained is the result. Prints, last,
 a table of peak memory, tokens/s and the planner's prediction per run; raw logs and rows go to --out.
 """
@@ -28,7 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"],
             # compiled blocks (QLoRA's fastest at 2,048 tokens); with the offload since the twenty-fourth session
             "compile": ["parallel.compile=true"],
-            "offload_compile": ["parallel.activation_offload=true", "parallel.compile=true"]}
+            "offload_compile": ["parallel.activation_offload=true", "parallel.compile=true"],
+            # the checkpoint inside the compiled blocks with the offload (allowed since the thirty-fifth session):
+            # less recompute, 2 x p x f bytes per token more in backward (auto keeps it around with the offload)
+            "offload_inside": ["parallel.activation_offload=true", "parallel.compile=true",
+                               "parallel.checkpoint_in_compile=true"]}
 
 
 def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, log) -> dict:
