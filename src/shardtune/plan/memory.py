@@ -81,6 +81,12 @@ COMPILED_RECOMPUTE = 3.6
 # larger guess).
 INSIDE_RECOMPUTE = 2.0
 INSIDE_FIXED = 0.15 * GIB
+# A compiled QLoRA block's backward holds compute-dtype copies of its NF4 weights, about the MLP's three (h x f
+# each): 8B QLoRA with compiled blocks peaked 0.29-0.35 GiB above the count without them in every row on record
+# (calls 26-104, H200 and H100, around and inside, the table on the GPU or the host, 4,096 and 131,072 tokens),
+# 3 x h x f x 2 bytes = 0.33 GiB; the 70B shape 1.10 GiB above (calls 40 and 80) against 1.31 (the side where a
+# plan errs toward not fitting). Eager QLoRA dequantises one layer at a time (0.06-0.13 GiB under: not counted).
+NF4_COMPILED_COPIES = 3
 # peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer),
 # loaded one layer at a time (assemble.load_kept), so the bf16 base is never whole on the GPU.
 FLOAT8_BYTES = 1.0
@@ -179,13 +185,14 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     8B QLoRA at 327,680 tokens with full checkpointing peaked 17.5 GiB above the recomputed block's saved
     activations; 2pf x 327,680 tokens is 17.5 GiB. A compiled block's backward under checkpointing holds
     COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf and INSIDE_FIXED more with the checkpoint inside
-    it."""
+    it, and a compiled QLoRA block NF4_COMPILED_COPIES dequantised weights."""
     extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
-    fixed = 0.0
+    fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes if s.compile and s.peft == "qlora" else 0.0
     if s.checkpoint_traced:
-        extra, fixed = extra + INSIDE_RECOMPUTE, INSIDE_FIXED
+        extra, fixed = extra + INSIDE_RECOMPUTE, fixed + INSIDE_FIXED
     elif s.budget_recompute:  # a recompute inside the compiled backward too: its share of full's
-        extra, fixed = s.budget_recompute * (COMPILED_RECOMPUTE + INSIDE_RECOMPUTE), s.budget_recompute * INSIDE_FIXED
+        extra = s.budget_recompute * (COMPILED_RECOMPUTE + INSIDE_RECOMPUTE)
+        fixed += s.budget_recompute * INSIDE_FIXED
     return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens + fixed
 
 
