@@ -7,7 +7,7 @@ import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 _NEVER = 1 << 30  # a full-collection threshold no count reaches
 
@@ -86,34 +86,26 @@ def young_gc_only() -> Iterator[None]:
 # - torchao's wheel carries CUDA kernels (_C_mxfp8, _C_cutlass_90a) that a CPU build of torch cannot load: one
 #   "Failed to load ...so" per file and process. Kept where torch has CUDA, where a failed load means something.
 # - torch (2.13) tells torchao (0.18) that registering its Enums as pytree constants is deprecated.
-def _torchao_cuda_kernels_without_cuda(record: logging.LogRecord) -> bool:
+# Each is a logging filter: a callable that returns whether to keep the record.
+def _not_torchao_cuda_kernels_without_cuda(record: logging.LogRecord) -> bool:
     torch = sys.modules.get("torch")
     message = record.getMessage()
-    return (torch is not None and torch.version.cuda is None and message.startswith("Failed to load ")
-            and "torchao" in message and ".so" in message)
+    return not (torch is not None and torch.version.cuda is None and message.startswith("Failed to load ")
+                and "torchao" in message and ".so" in message)
 
 
-def _torch_enum_constant_deprecation(record: logging.LogRecord) -> bool:
-    return "is an Enum subclass and is now natively supported by torch.compile" in record.getMessage()
+def _not_torch_enum_constant_deprecation(record: logging.LogRecord) -> bool:
+    return "is an Enum subclass and is now natively supported by torch.compile" not in record.getMessage()
 
 
-_LIBRARY_NOISE = {"torchao": _torchao_cuda_kernels_without_cuda,
-                  "torch.utils._pytree": _torch_enum_constant_deprecation}
-
-
-class _DropNoise(logging.Filter):
-    def __init__(self, is_noise: Callable[[logging.LogRecord], bool]) -> None:
-        super().__init__()
-        self.is_noise = is_noise
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.is_noise(record)
+_LIBRARY_NOISE = {"torchao": _not_torchao_cuda_kernels_without_cuda,
+                  "torch.utils._pytree": _not_torch_enum_constant_deprecation}
 
 
 def quiet_library_noise() -> None:
     """Drop the log records in _LIBRARY_NOISE (once per process; before the libraries are imported, since torchao
     logs while it is imported)."""
-    for name, is_noise in _LIBRARY_NOISE.items():
+    for name, keep in _LIBRARY_NOISE.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropNoise) for f in logger.filters):
-            logger.addFilter(_DropNoise(is_noise))
+        if keep not in logger.filters:
+            logger.addFilter(keep)
