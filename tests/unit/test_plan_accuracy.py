@@ -135,6 +135,17 @@ def test_every_recorded_peak_is_predicted_within_5_percent() -> None:
     assert any("liger" in k for k in errors)
 
 
+def test_compiled_qlora_peaks_count_the_dequantised_weights() -> None:
+    """plan/memory.py NF4_COMPILED_COPIES: every compiled 8B QLoRA row from call 26 on was 0.29-0.35 GiB low
+    without it (-3.5% to -4.1% at 4,096 tokens); with it each is within 1%."""
+    errors = {}
+    for row, predicted in _predictions():
+        if row["name"].startswith("8b-qlora") and "compile" in row["name"] and int(row["call"]) >= 26:
+            errors[f"{row['call']}:{row['name']}"] = predicted.memory.allocated / 2**30 / row["meas_alloc"] - 1
+    assert len(errors) >= 16, errors
+    assert all(abs(err) <= 0.01 for err in errors.values()), errors
+
+
 # Reserved (what must fit): 8B QLoRA mb 4 with checkpointing (call 16) reserved 5.3 GiB over its allocated, 14% more
 # than the fragmentation share says. 8B LoRA bf16 at activation memory budget 0.3 (call 94) +11%, on the side of not
 # fitting: it kept 0.30 of the way to none where BUDGET_KEPT (fitted on float8 rows) says 0.37 (allocated +3.4%), and
