@@ -1,15 +1,16 @@
 """The longest sequence one GPU trains (issue 17): 8B QLoRA, micro-batch 1, one sequence of SEQ tokens per step.
 
-    python3 bench/long_context.py --seqs 131072,327680 --runs offload,plain --steps 2 --out $OUT   (device)
+    python3 bench/long_context.py --seqs 131072,327680 --runs offload,plain --steps 3 --out $OUT   (device)
     python3 bench/long_context.py --preset tiny-llama --seqs 256,512 --steps 2 --out /tmp/lc        (CPU plumbing)
 
 Each run is `python3 -m shardtune train bench/bench.yaml` with the llama-3.1-8b preset (131,072 positions; past
 that, model.max_position_embeddings is raised with the preset's RoPE scaling kept), QLoRA, full activation
 checkpointing, Liger's fused loss (`model.liger=loss`: the logits are never materialised), and one text of at
-least SEQ tokens per step; `offload` adds parallel.activation_offload, `compile` parallel.compile,
-`offload_compile` both, and `offload_inside` both with the checkpoint inside the compiled blocks. `--hf` adds
-Hugging Face Trainer + PEFT + bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora, HF_LIGER=1) at
-the same lengths. A run that
+least SEQ tokens per step; `offload` adds parallel.activation_offload, `compile` parallel.compile (the checkpoint
+inside the compiled blocks: auto's choice without the offload), `compile_around` with the checkpoint around them,
+`offload_compile` both (auto: around), and `offload_inside` both with the checkpoint inside the compiled blocks.
+`--hf` adds Hugging Face Trainer + PEFT + bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora,
+HF_LIGER=1) at the same lengths. A run that
 fails (out of memory) ends that variant's doubling: the longest length that trained is the result. Prints, last,
 a table of peak memory, tokens/s and the planner's prediction per run; raw logs and rows go to --out.
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"],
             # compiled blocks (QLoRA's fastest at 2,048 tokens); with the offload since the twenty-fourth session
-            "compile": ["parallel.compile=true"],
+            "compile": ["parallel.compile=true"],  # auto: the checkpoint inside the blocks without the offload
+            "compile_around": ["parallel.compile=true", "parallel.checkpoint_in_compile=false"],
             "offload_compile": ["parallel.activation_offload=true", "parallel.compile=true"],
             # the checkpoint inside the compiled blocks with the offload (allowed since the thirty-fifth session):
             # less recompute, 2 x p x f bytes per token more in backward (auto keeps it around with the offload)
@@ -95,7 +97,10 @@ def main() -> int:
     ap.add_argument("--hf", action="store_true", help="also Hugging Face Trainer + PEFT + bitsandbytes + Liger")
     ap.add_argument("--preset", default="llama-3.1-8b")
     ap.add_argument("--positions", type=int, default=131072, help="the preset's max_position_embeddings")
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3,
+                    help="steps a run; tokens/s is the last one's (with the checkpoint inside the compiled blocks, "
+                         "step 2 still carried a one-time cost on an H100: 2,884 tokens/s against 6,697-6,821 in "
+                         "steps 3-4 at 32,768 tokens, call 115)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for everything; later runs are skipped")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/long_context"))

@@ -179,7 +179,7 @@ class ParallelConfig(_Section):
                             "compiled code (torchtitan's order: checkpoint, then compile), so the recompute runs "
                             "inside the compiled backward and leaves out what no gradient reads; false: around it "
                             "(a recompute from Python, which CUDA graphs cannot run). auto: inside, except with "
-                            "activation_offload (long sequences, where inside's backward holds 2 x p x f bytes per "
+                            "activation_offload (long sequences, where inside's backward holds ~3.5 x p x f bytes per "
                             "token more; true runs the two together). On one H100, inside against around: 8B "
                             "LoRA bf16 +8.6%, QLoRA +8.5%, float8 micro-batch 4 +6% (2.01x HF + PEFT + Liger), at "
                             "0.4-0.6 GiB more. Selective "

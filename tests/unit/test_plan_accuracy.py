@@ -33,9 +33,9 @@ from shardtune.plan.hardware import lookup
 # 3.6 x p x f per token (memory.COMPILED_RECOMPUTE); with it every compiled row under checkpointing is within 5%
 # (LoRA +0.0%, QLoRA -3.5% to -4.1%: its NF4 weights' bf16 copies, ~0.3 GiB).
 # The checkpoint inside the compiled blocks (parallel.checkpoint_in_compile, twenty-seventh session, calls 79-80) holds
-# 0.36-0.57 GiB more than around them (8B LoRA float8 at micro-batch 2 / 4): -3.0% and -4.6% priced alike, -1.1% and
-# -1.4% with memory.INSIDE_RECOMPUTE; its speed is priced without the down projection's recompute (it was 10-13% over
-# the prediction).
+# 0.36-0.57 GiB more than around them (8B LoRA float8 at micro-batch 2 / 4): -3.0% and -4.6% priced alike, within
+# 1.1% with memory.INSIDE_RECOMPUTE (3.5pf since calls 109-113, fitted on 8B QLoRA at 32,768-131,072 tokens); its
+# speed is priced without the down projection's recompute (it was 10-13% over the prediction).
 KNOWN_MISSES = {"1b-ddp-mb4-compile-ligerloss": 0.09, "8b-lora-alt-deepspeed-ddp-none-none-mb4": 0.06}
 # tokens/s: within 15% but the two noisiest rows on record (call 16: min-max 28,780-35,751 and 23,313-30,982;
 # an earlier session measured the second at 30,358, 4% from the prediction; 30.0% -> 30.03% with the 2026-12-04
@@ -136,13 +136,15 @@ def test_every_recorded_peak_is_predicted_within_5_percent() -> None:
 
 
 def test_compiled_qlora_peaks_count_the_dequantised_weights() -> None:
-    """plan/memory.py NF4_COMPILED_COPIES: every compiled 8B QLoRA row from call 26 on was 0.29-0.35 GiB low
-    without it (-3.5% to -4.1% at 4,096 tokens); with it each is within 1%."""
+    """plan/memory.py NF4_COMPILED_COPIES: every compiled 8B QLoRA row at 4,096 tokens from call 26 on was
+    0.29-0.35 GiB low without it (-3.5% to -4.1%); with it each is within 1%. (At 32,768-131,072 tokens the copies
+    are under 1.5% of the peak, and the rows within 2.5%: the 5% test above holds them.)"""
     errors = {}
     for row, predicted in _predictions():
-        if row["name"].startswith("8b-qlora") and "compile" in row["name"] and int(row["call"]) >= 26:
+        if (row["name"].startswith("8b-qlora") and "compile" in row["name"] and "long" not in row["name"]
+                and int(row["call"]) >= 26):
             errors[f"{row['call']}:{row['name']}"] = predicted.memory.allocated / 2**30 / row["meas_alloc"] - 1
-    assert len(errors) >= 16, errors
+    assert len(errors) >= 15, errors
     assert all(abs(err) <= 0.01 for err in errors.values()), errors
 
 
@@ -180,6 +182,8 @@ def test_recorded_host_memory_is_predicted_within_10_percent() -> None:
 def test_every_recorded_speed_is_predicted_within_15_percent() -> None:
     errors = {}
     for row, predicted in _predictions():
+        if row["meas_tps"] is None:  # a peak-memory row whose speed was not steady (the row's note says why)
+            continue
         err = predicted.time.tokens_per_sec_per_gpu / row["meas_tps"] - 1
         errors[f"{row['call']}:{row['name']}"] = round(err, 3)
         assert abs(err) <= SPEED_MISSES.get((str(row["call"]), row["name"]), 0.15), (row["name"], row["call"], err)
@@ -202,7 +206,7 @@ def test_compiled_peft_with_the_fused_loss_is_priced_within_8_percent() -> None:
 HOST_BOUND = {"77:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.12,
               "82:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.15}
 # 8B QLoRA on an H100 (calls 83-84) ran 7-9% faster than priced with the checkpoint inside the blocks (6.7% around):
-# the NF4 kernel's rate on an H100 is taken as the H200's (speed.DEQUANT_BYTES_PER_FLOP), not measured there.
+# not the NF4 kernel's rate, which an H100 measured at the H200's (1,718 GB/s, call 110; speed.DEQUANT_BYTES_PER_FLOP).
 # Call 90 again (the inside checkpoint by default, with and without the embedding on the host): 8.3-8.9%.
 H100_NF4 = {f"{call}:8b-qlora-mb2-ac-compile-ligerloss{name}": 0.09
             for call, name in (("83", "-ckpt-in-compile"), ("83", "-ckpt-in-compile-ro"), ("84", "-ckpt-in-compile"),

@@ -110,10 +110,10 @@ def traces_checkpoint(compiled: bool, checkpointing: str, in_compile: bool | str
     the ops only while Dynamo traces them (around a compiled block it would see Inductor's kernels, match no matmul,
     and recompute everything, as full does); for full with parallel.checkpoint_in_compile true, or auto without
     activation_offload. The offload is for sequences too long for the GPU, where the inside recompute's backward
-    would hold 2 x p x f bytes per token more (plan/memory.py INSIDE_RECOMPUTE: 17.5 GiB at 327,680 tokens of the
-    8B shape), so auto keeps the checkpoint around there; true runs both (the offload's hooks also take the block
-    inputs the compiled code saves). Shared with the planner's Setting, whose search varies the checkpointing and
-    the offload."""
+    would hold about 3.5 x p x f bytes per token more (plan/memory.py INSIDE_RECOMPUTE: 12.5 GiB measured at
+    131,072 tokens of the 8B shape, 31 GiB at 327,680), so auto keeps the checkpoint around there; true runs both
+    (the offload's hooks also take the block inputs the compiled code saves). Shared with the planner's Setting,
+    whose search varies the checkpointing and the offload."""
     if not compiled or checkpointing == "none":
         return False
     if checkpointing == "selective":

@@ -74,13 +74,14 @@ BUDGET_KEPT = ((0.0, 0.0), (0.1, 0.185), (0.3, 0.37), (0.5, 0.52), (1.0, 1.0))
 # counted). What the graph keeps is not known: a memory snapshot cannot record these runs (pytorch/pytorch#179536).
 # Counted under selective checkpointing too (not measured there: the larger guess, so a plan errs toward not fitting).
 COMPILED_RECOMPUTE = 3.6
-# With the checkpoint inside the compiled blocks (Setting.checkpoint_traced) the backward holds 2 x p x f per
-# token more again: 8B LoRA float8 on one H100 (calls 79-80) peaked 0.36 / 0.57 GiB above the checkpoint around at
-# 4,096 / 8,192 tokens; bf16 LoRA and QLoRA 0.39 GiB at 4,096 (calls 82-84): 2pf per token and 0.13-0.17 GiB
-# whatever the tokens (INSIDE_FIXED). Counted for selective under compile too (traced there; not measured: the
-# larger guess).
-INSIDE_RECOMPUTE = 2.0
-INSIDE_FIXED = 0.15 * GIB
+# With the checkpoint inside the compiled blocks (Setting.checkpoint_traced) the backward holds about 3.5 x p x f
+# per token more again. 8B QLoRA on one H100 (calls 109 and 113, bench/RESULTS.md thirty-sixth session), inside less
+# around at the same length: 3.13 / 6.25 GiB at 32,768 / 65,536 tokens, 12.50 GiB at 131,072 with activation offload
+# (3.58 / 3.57 / 3.57 x pf per token): the twenty-seventh session's 2pf + 0.15 GiB, fitted on 4,096 and 8,192 tokens,
+# priced the long rows 3-8% low. At 4,096 tokens 3.5pf is 0.38 GiB: bf16 LoRA and QLoRA measured 0.39 (calls 82-84),
+# 8B LoRA float8 0.36 (calls 79-80; 0.57 at 8,192, priced 0.77: the side where a plan errs toward not fitting).
+# Counted for selective under compile too (traced there; not measured: the larger guess).
+INSIDE_RECOMPUTE = 3.5
 # A compiled QLoRA block's backward holds compute-dtype copies of its NF4 weights, about the MLP's three (h x f
 # each): 8B QLoRA with compiled blocks peaked 0.29-0.35 GiB above the count without them in every row on record
 # (calls 26-104, H200 and H100, around and inside, the table on the GPU or the host, 4,096 and 131,072 tokens),
@@ -184,15 +185,14 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     activations less pf plus 3pf, so 2pf per token over the saved ones. Measured (bench/RESULTS.md 2026-12-04):
     8B QLoRA at 327,680 tokens with full checkpointing peaked 17.5 GiB above the recomputed block's saved
     activations; 2pf x 327,680 tokens is 17.5 GiB. A compiled block's backward under checkpointing holds
-    COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf and INSIDE_FIXED more with the checkpoint inside
-    it, and a compiled QLoRA block NF4_COMPILED_COPIES dequantised weights."""
+    COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf more with the checkpoint inside it, and a
+    compiled QLoRA block NF4_COMPILED_COPIES dequantised weights."""
     extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
     fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes if s.compile and s.peft == "qlora" else 0.0
     if s.checkpoint_traced:
-        extra, fixed = extra + INSIDE_RECOMPUTE, fixed + INSIDE_FIXED
+        extra += INSIDE_RECOMPUTE
     elif s.budget_recompute:  # a recompute inside the compiled backward too: its share of full's
         extra = s.budget_recompute * (COMPILED_RECOMPUTE + INSIDE_RECOMPUTE)
-        fixed += s.budget_recompute * INSIDE_FIXED
     return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens + fixed
 
 

@@ -83,7 +83,8 @@ def optimizer_bytes(s: Setting) -> float:
 # The fused NF4 dequantisation kernel moved 1,722 GB/s on an H200 (bench/nf4_linear.py; 0.35 of its HBM fitted to
 # the QLoRA steps, 1.5 TB/s). Priced from the H100's HBM (the same chip with 30% less bandwidth), 8B QLoRA ran
 # 10-11% faster than predicted (calls 83-84, bench/RESULTS.md twenty-eighth session): taken as bound by the SMs, so
-# its rate follows the compute peak (bytes per peak FLOP), capped by the HBM (not measured on an H100 itself).
+# its rate follows the compute peak (bytes per peak FLOP), capped by the HBM. On an H100 it moved 1,718 GB/s (call
+# 110, bench/RESULTS.md thirty-sixth session): the H200's rate, as this assumes.
 DEQUANT_BYTES_PER_FLOP = 0.35 * 4.3e12 / 989e12
 # fp32 compute runs on TF32 tensor cores at half the bf16 rate at best.
 FP32_RATE = 0.5
