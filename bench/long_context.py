@@ -56,7 +56,10 @@ def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, 
     train = [r for r in records if "tokens_per_sec_per_device" in r and not r.get("eval")]
     if train:
         row.update(peak_gib=max(r["peak_mem_gib"] for r in train), steps=train[-1]["step"],
-                   tokens_per_s=train[-1]["tokens_per_sec_per_device"])
+                   tokens_per_s=train[-1]["tokens_per_sec_per_device"],
+                   # every step's seconds and its garbage collection's: what a slow early step spent
+                   step_s=[round(r.get("step_time_s", 0.0), 2) for r in train],
+                   gc_s=[round(r.get("gc_s", 0.0), 2) for r in train])
     row.update(pred_gib=plan["memory_gib"]["allocated"], pred_host_gib=plan["host_memory_gib"],
                pred_tokens_per_s=plan["tokens_per_sec_per_gpu"])
     return row
