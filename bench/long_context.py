@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +48,9 @@ def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, 
            f"train.max_steps={args.steps}", "log.every=1", "peft.method=qlora", "parallel.strategy=zero3",
            "parallel.activation_checkpointing=full", *liger, *positions, *VARIANTS[variant],
            "--output-dir", str(out), "--force"]
+    # A fresh folder per run: one holding an earlier finished run is refused (exit 2), and its metrics were then read
+    # as this run's (call 114, bench/RESULTS.md thirty-sixth session).
+    shutil.rmtree(out, ignore_errors=True)
     row = _run(cmd, {}, args.timeout, log, f"shardtune {variant} {seq}")
     try:
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -238,6 +239,7 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, data: Pat
     out = Path(args.work) / name
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench/bench.yaml"), f"data.train_file={data}",
            f"train.max_steps={args.steps}", "log.every=2", "--output-dir", str(out), "--force", *overrides]
+    shutil.rmtree(out, ignore_errors=True)  # a folder holding an earlier finished run would be refused (exit 2)
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     stop, peak = threading.Event(), [0.0]
