@@ -34,7 +34,7 @@ VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"],
             "compile_around": ["parallel.compile=true", "parallel.checkpoint_in_compile=false"],
             "offload_compile": ["parallel.activation_offload=true", "parallel.compile=true"],
             # the checkpoint inside the compiled blocks with the offload (allowed since the thirty-fifth session):
-            # less recompute, 2 x p x f bytes per token more in backward (auto keeps it around with the offload)
+            # less recompute, ~3.5 x p x f bytes per token more in backward (auto keeps it around with the offload)
             "offload_inside": ["parallel.activation_offload=true", "parallel.compile=true",
                                "parallel.checkpoint_in_compile=true"]}
 
