@@ -874,3 +874,34 @@ def test_a_kept_float8_base_saves_its_per_pass_casts(eight_b):
     plain = replace(base, float8="false")
     auto = replace(plain, base_dtype="auto")
     assert not auto.base_float8 and step_time(eight_b, plain, h100) == step_time(eight_b, auto, h100)
+
+
+def test_long_sequences_take_the_checkpoint_around_the_compiled_blocks_where_inside_does_not_fit() -> None:
+    """checkpoint_in_compile's auto puts full checkpointing inside the compiled blocks (faster at 4,096 tokens), whose
+    backward holds 3.5 x p x f bytes per token more (6.25 GiB at 65,536 tokens of the 8B, call 113). Around is priced
+    beside it: 8B QLoRA at 98,304 tokens on an H100 does not fit inside and fits around, faster than the activation
+    offload; the refusal names the flag, `strategy: auto` takes it (and its workers' overrides carry it). At 4,096
+    tokens the pick keeps auto (inside)."""
+    from shardtune.plan import auto_overrides
+    from shardtune.plan.report import table
+
+    given = ["model.preset=llama-3.1-8b", "peft.method=qlora", "parallel.compile=true", "train.micro_batch_size=1",
+             "parallel.activation_checkpointing=full", "model.liger=loss", "data.packing=false"]
+    hf, h100 = preset_config("llama-3.1-8b"), lookup("h100")
+    plan = make_plan(_cfg(*given, "train.seq_len=98304", "parallel.strategy=zero3"), hf, h100, world=1, per_node=1)
+    assert not plan.configured.fits and plan.configured.setting.checkpoint_traced
+    around = plan.pick.setting
+    assert around.checkpoint_in_compile is False and not around.checkpoint_traced and not around.activation_offload
+    offloaded = max(c.time.tokens_per_sec_per_gpu for c in plan.result.candidates
+                    if c.usable and c.setting.activation_offload)
+    assert plan.pick.time.tokens_per_sec_per_gpu > offloaded
+    line = refusal(plan)
+    assert line and line.split(": ", 1)[1].startswith("parallel.checkpoint_in_compile=false fits"), line
+    assert "around the compiled blocks" in plan.reason() and any("full+a" in row for row in table(plan))
+    resolved, auto_plan = resolve_auto(_cfg(*given, "train.seq_len=98304", "parallel.strategy=auto"), hf, h100,
+                                       world=1, per_node=1)
+    assert resolved.parallel.checkpoint_in_compile is False and not resolved.parallel.activation_offload
+    assert "parallel.checkpoint_in_compile=false" in auto_overrides(resolved, auto_plan.auto)
+    short, _ = resolve_auto(_cfg(*given, "train.seq_len=4096", "parallel.strategy=auto",
+                                 "parallel.activation_checkpointing=full"), hf, h100, world=1, per_node=1)
+    assert short.parallel.checkpoint_in_compile == "auto"

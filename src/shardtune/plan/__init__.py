@@ -94,6 +94,8 @@ def describe(s: Setting) -> str:
     else:
         parts.append("no checkpointing" if s.activation_checkpointing == "none" else
                      f"checkpointing {s.activation_checkpointing}")
+        if s.compile and s.activation_checkpointing == "full":
+            parts[-1] += " inside the compiled blocks" if s.checkpoint_traced else " around the compiled blocks"
     if s.activation_offload:
         parts.append("saved activations in host memory")
     if s.frozen_local:
@@ -191,6 +193,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     p, t = new.parallel, new.train
     p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
     set_checkpointing(p, s)
+    p.checkpoint_in_compile = s.checkpoint_in_compile
     p.activation_offload = s.activation_offload
     if s.offload_embedding != host_embedding_asked(new.peft.offload_embedding):
         new.peft.offload_embedding = s.offload_embedding
@@ -234,8 +237,8 @@ def free_knobs(cfg: Any) -> set[str]:
         free.add("strategy")
         chosen = cfg.parallel.model_fields_set | ({"activation_checkpointing"}  # none: the budget recomputes
                                                   if cfg.parallel.activation_memory_budget is not None else set())
-        free |= {k for k in ("backend", "offload", "activation_checkpointing", "activation_offload")
-                 if k not in chosen}
+        free |= {k for k in ("backend", "offload", "activation_checkpointing", "activation_offload",
+                             "checkpoint_in_compile") if k not in chosen}
         if "activation_checkpointing" in free:
             free.add("memory_budget")  # a budget is a way of checkpointing (none with compile's recompute)
         if cfg.parallel.shard_frozen == "auto":
@@ -424,6 +427,7 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
         new.parallel.backend, new.parallel.strategy = s.backend, s.strategy
         new.parallel.offload, new.parallel.activation_offload = s.offload, s.activation_offload
         set_checkpointing(new.parallel, s)
+        new.parallel.checkpoint_in_compile = s.checkpoint_in_compile
         _say_shard_frozen(new.parallel, s)
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
@@ -438,7 +442,8 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
         out += [f"parallel.backend={p.backend}", f"parallel.strategy={p.strategy}", f"parallel.offload={p.offload}",
                 f"parallel.activation_checkpointing={p.activation_checkpointing}",
                 f"parallel.activation_offload={str(p.activation_offload).lower()}",
-                f"parallel.shard_frozen={str(p.shard_frozen).lower()}"]
+                f"parallel.shard_frozen={str(p.shard_frozen).lower()}",
+                f"parallel.checkpoint_in_compile={str(p.checkpoint_in_compile).lower()}"]
         if p.activation_memory_budget is not None:
             out.append(f"parallel.activation_memory_budget={p.activation_memory_budget:g}")
     if "train.micro_batch_size" in auto:

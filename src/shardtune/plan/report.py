@@ -18,7 +18,8 @@ TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "
 
 # The table's checkpointing column: "+h" when the saved activations are on the host; its strategy column: "+w" when
 # the frozen base is whole on each GPU (parallel.shard_frozen: false), "+e" when the input embedding is in host
-# memory (peft.offload_embedding).
+# memory (peft.offload_embedding); its checkpointing column "+a" when full checkpointing is around the compiled
+# blocks where auto would put it inside (parallel.checkpoint_in_compile: false).
 AC_SHORT = {"selective": "sel"}
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
@@ -49,6 +50,7 @@ def _row(c: Candidate, mark: str = "") -> str:
     ac = f"b{s.memory_budget:g}" if s.budget_recompute else AC_SHORT.get(s.activation_checkpointing,
                                                                           s.activation_checkpointing)
     ac += "+h" if s.activation_offload else ""
+    ac += "+a" if s.checkpoint_in_compile is False and s.compile and s.activation_checkpointing == "full" else ""
     strategy = s.strategy + ("+w" if s.frozen_local else "") + ("+e" if s.embedding_offloaded else "")
     return (f"{s.backend:<9} {strategy:<10} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
             f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "
