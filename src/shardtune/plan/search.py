@@ -152,7 +152,8 @@ def changes(a: Setting, b: Setting) -> dict[str, Any]:
 
 
 def smallest_fixes(result: Search, limit: int = 2) -> list[tuple[dict[str, Any], Candidate]]:
-    """Candidates that fit, fewest changed knobs first, then fastest; one per distinct first change."""
+    """Candidates that fit, fewest changed knobs first, then fastest; one per distinct set of changes, and none that
+    holds a fix already named (its other changes are not needed)."""
     base = result.configured.setting
     options = []
     for c in result.candidates:
@@ -165,7 +166,7 @@ def smallest_fixes(result: Search, limit: int = 2) -> list[tuple[dict[str, Any],
     seen, fixes = set(), []
     for _, _, diff, c in options:
         key = tuple(sorted(diff))
-        if key in seen:
+        if key in seen or any(named.items() <= diff.items() for named, _ in fixes):
             continue
         seen.add(key)
         fixes.append((diff, c))
