@@ -146,8 +146,10 @@ def _placement_is_a_trade(s: Setting, supported: Callable[[Setting], str | None]
 
 
 def changes(a: Setting, b: Setting) -> dict[str, Any]:
-    """Knobs of `b` that differ from `a`, as config keys."""
+    """Knobs of `b` that differ from `a`, as config keys. The input embedding as the config asks for it (auto or
+    true: the host where that runs), not where it lands: off the direct path auto keeps it on the GPU by itself."""
     ka, kb = a.knobs(), b.knobs()
+    ka["offload_embedding"], kb["offload_embedding"] = a.offload_embedding, b.offload_embedding
     return {CONFIG_KEYS[k]: kb[k] for k in ka if ka[k] != kb[k]}
 
 
