@@ -182,9 +182,10 @@ class ParallelConfig(_Section):
                             "activation_offload (long sequences, where inside's backward holds ~3.5 x p x f bytes per "
                             "token more; true runs the two together). On one H100, inside against around: 8B "
                             "LoRA bf16 +8.6%, QLoRA +8.5%, float8 micro-batch 4 +6% (2.01x HF + PEFT + Liger), at "
-                            "0.4-0.6 GiB more. Selective "
-                            "checkpointing under compile is always inside (its per-op policy sees the ops only "
-                            "there).")
+                            "0.4-0.6 GiB more at 4,096 tokens. The planner prices around beside auto's inside: "
+                            "parallel.strategy: auto writes false where only around fits or it is faster (long "
+                            "sequences). Selective checkpointing under compile is always inside (its per-op "
+                            "policy sees the ops only there).")
     activation_memory_budget: float | None = Field(
         None, ge=0.0, le=1.0,
         description="With parallel.compile and activation_checkpointing none: the share of each compiled block's "
