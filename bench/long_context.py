@@ -51,7 +51,8 @@ def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, 
     # A fresh folder per run: one holding an earlier finished run is refused (exit 2), and its metrics were then read
     # as this run's (call 114, bench/RESULTS.md thirty-sixth session).
     shutil.rmtree(out, ignore_errors=True)
-    row = _run(cmd, {}, args.timeout, log, f"shardtune {variant} {seq}")
+    # recompiles logged: whether a slow early step compiled again (step 2 with the checkpoint inside, call 115)
+    row = _run(cmd, {"TORCH_LOGS": "recompiles"}, args.timeout, log, f"shardtune {variant} {seq}")
     try:
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
         plan = json.loads((out / "plan.json").read_text())["chosen"]
@@ -63,7 +64,8 @@ def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, 
                    tokens_per_s=train[-1]["tokens_per_sec_per_device"],
                    # every step's seconds and its garbage collection's: what a slow early step spent
                    step_s=[round(r.get("step_time_s", 0.0), 2) for r in train],
-                   gc_s=[round(r.get("gc_s", 0.0), 2) for r in train])
+                   gc_s=[round(r.get("gc_s", 0.0), 2) for r in train],
+                   alloc_retries=[r.get("alloc_retries", 0) for r in train])
     row.update(pred_gib=plan["memory_gib"]["allocated"], pred_host_gib=plan["host_memory_gib"],
                pred_tokens_per_s=plan["tokens_per_sec_per_gpu"])
     return row
@@ -90,7 +92,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, log, label: str) -
     log.write(f"===== {label}: {' '.join(cmd)}\n{text[-8000:]}\n")
     log.flush()
     oom = "out of GPU memory" in text or "CUDA out of memory" in text or "OutOfMemoryError" in text
-    return {"rc": rc, "oom": oom, "wall_s": round(time.time() - start, 1), "tail": text[-3000:]}
+    return {"rc": rc, "oom": oom, "wall_s": round(time.time() - start, 1), "tail": text[-3000:],
+            "recompiles": text.count("Recompiling function")}
 
 
 def _num(value: float | None, digits: int) -> str:
