@@ -191,14 +191,10 @@ def config_for(cfg: Any, s: Setting) -> Any:
     """`cfg` with the setting's knobs written in."""
     new = cfg.model_copy(deep=True)
     p, t = new.parallel, new.train
-    p.backend, p.strategy, p.offload = s.backend, s.strategy, s.offload
-    set_checkpointing(p, s)
-    p.checkpoint_in_compile = s.checkpoint_in_compile
-    p.activation_offload = s.activation_offload
+    write_strategy(p, s)
     if s.offload_embedding != host_embedding_asked(new.peft.offload_embedding):
         new.peft.offload_embedding = s.offload_embedding
     p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
-    _say_shard_frozen(p, s)
     if s.offload == "none" or not s.nvme:
         p.offload_nvme_path = None
     t.micro_batch_size = s.micro_batch_size
@@ -207,6 +203,15 @@ def config_for(cfg: Any, s: Setting) -> Any:
     if not s.rules.keeps_deepspeed_section:
         new.deepspeed = {}
     return new
+
+
+def write_strategy(parallel: Any, s: Setting) -> None:
+    """The knobs `parallel.strategy: auto` picks, written into `parallel` as the setting runs them."""
+    parallel.backend, parallel.strategy, parallel.offload = s.backend, s.strategy, s.offload
+    parallel.activation_offload = s.activation_offload
+    set_checkpointing(parallel, s)
+    parallel.checkpoint_in_compile = s.checkpoint_in_compile
+    _say_shard_frozen(parallel, s)
 
 
 def set_checkpointing(parallel: Any, s: Setting) -> None:
@@ -424,11 +429,7 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
         return cfg
     new = cfg.model_copy(deep=True)
     if "parallel.strategy" in auto:
-        new.parallel.backend, new.parallel.strategy = s.backend, s.strategy
-        new.parallel.offload, new.parallel.activation_offload = s.offload, s.activation_offload
-        set_checkpointing(new.parallel, s)
-        new.parallel.checkpoint_in_compile = s.checkpoint_in_compile
-        _say_shard_frozen(new.parallel, s)
+        write_strategy(new.parallel, s)
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
     return new
