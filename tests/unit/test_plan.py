@@ -386,6 +386,50 @@ def test_activation_formula_matches_autograds_saved_tensors() -> None:
     assert measured == pytest.approx(predicted, rel=0.02)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_compiled_qlora_without_checkpointing_keeps_its_dequantised_weights(compiled: bool) -> None:
+    """Compiled QLoRA blocks without checkpointing save every weight dequantised in bf16 for backward (compile's
+    partitioner keeps them rather than dequantise again: 13 GiB on the 8B shape), all but the first block's q / k / v
+    (its input needs no gradient); eager blocks keep the 4-bit weight only (NF4Linear). The planner counts them
+    (memory.dequantised_kept) and prices one dequantisation a micro-batch there (speed.dequant_passes)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardtune.peft.qlora import quantize_to_nf4
+    from shardtune.plan.memory import dequantised_kept
+    from shardtune.plan.speed import dequant_passes
+
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=64)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=targets)).to(torch.bfloat16)
+    quantize_to_nf4(model, lambda n: n.endswith(".base_layer"))
+    if compiled:
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
+    shapes = {(256, 256), (128, 256), (688, 256), (256, 688)}  # q and o, k and v, gate and up, down
+    params = {p.untyped_storage().data_ptr() for p in model.parameters() if type(p).__name__ != "NF4Tensor"}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # 96 tokens, 320 words: only weights have these shapes
+        weight_like = type(t).__name__ != "NF4Tensor" and tuple(t.shape) in shapes
+        if weight_like and (ptr := t.untyped_storage().data_ptr()) not in params:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(5))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss.backward()
+    shape = model_shape(cfg, targets, lora_r=4)
+    s = Setting(peft="qlora", compile=compiled, activation_checkpointing="none", micro_batch_size=2, seq_len=48)
+    first_qkv = 2 * 256 * (256 + 2 * 128)  # bf16 bytes of the first block's q, k, v
+    assert sum(kept.values()) == (shape.target_params * 2 - first_qkv if compiled else 0)
+    assert dequantised_kept(shape, s) == (shape.target_params * 2 if compiled else 0)
+    assert dequant_passes(s) == (1.0 if compiled else 2.0)
+    assert dequant_passes(replace(s, activation_checkpointing="full")) == (2.0 if compiled else 3.0)
+
+
 @pytest.mark.parametrize("peft_method", ["none", "lora"])
 def test_selective_formula_matches_what_the_policy_saves(peft_method: str) -> None:
     """The selective policy (parallel/prepare.py) run on a real block, with PEFT's LoRA layers on all seven

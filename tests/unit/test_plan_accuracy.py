@@ -202,11 +202,13 @@ def test_every_recorded_speed_is_predicted_within_15_percent() -> None:
 
 def test_compiled_peft_with_the_fused_loss_is_priced_within_8_percent() -> None:
     """LoRA / QLoRA with compiled blocks and model.liger: loss (the fastest PEFT setting, which README quotes):
-    every row ran 6-14% faster than priced until LIGER_EFF["peft_compiled_loss"] (eighteenth session)."""
+    every row ran 6-14% faster than priced until LIGER_EFF["peft_compiled_loss"] (eighteenth session). 8B QLoRA on an
+    H100 with the checkpoint inside the blocks ran 7.3-8.9% faster than priced (calls 83-104) until compiled blocks
+    were priced at two dequantisations a micro-batch, not three (speed.dequant_passes, thirty-seventh session)."""
     errors = {f"{row['call']}:{row['name']}": predicted.time.tokens_per_sec_per_gpu / row["meas_tps"] - 1
               for row, predicted in _predictions() if "lora" in row["name"] and "compile-ligerloss" in row["name"]}
     assert len(errors) >= 17, errors
-    assert all(abs(e) <= HOST_BOUND.get(k, H100_NF4.get(k, 0.08)) for k, e in errors.items()), errors
+    assert all(abs(e) <= HOST_BOUND.get(k, 0.08) for k, e in errors.items()), errors
 
 
 # 8B LoRA in float8 at micro-batch 2 is paced by the host, whose speed moved between calls on the same H100 (calls
@@ -215,12 +217,6 @@ def test_compiled_peft_with_the_fused_loss_is_priced_within_8_percent() -> None:
 # Call 82 again (the checkpoint around the blocks; its steps -15% / +24% of the median).
 HOST_BOUND = {"77:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.12,
               "82:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.15}
-# 8B QLoRA on an H100 (calls 83-84) ran 7-9% faster than priced with the checkpoint inside the blocks (6.7% around):
-# not the NF4 kernel's rate, which an H100 measured at the H200's (1,718 GB/s, call 110; speed.DEQUANT_BYTES_PER_FLOP).
-# Call 90 again (the inside checkpoint by default, with and without the embedding on the host): 8.3-8.9%.
-H100_NF4 = {f"{call}:8b-qlora-mb2-ac-compile-ligerloss{name}": 0.09
-            for call, name in (("83", "-ckpt-in-compile"), ("83", "-ckpt-in-compile-ro"), ("84", "-ckpt-in-compile"),
-                               ("90", ""), ("90", "-offload-embedding"))}
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_MISSES))

@@ -175,7 +175,18 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     if s.budget_applies:  # parallel.activation_memory_budget: between full checkpointing's and none's
         kept = block_input + budget_kept_share(s.memory_budget) * max(0.0, whole - block_input)
         return m.layers * kept, whole - kept
-    return m.layers * whole, 0.0
+    return m.layers * whole + dequantised_kept(m, s), 0.0
+
+
+def dequantised_kept(m: ModelShape, s: Setting) -> float:
+    """Bytes of the dequantised NF4 weights compiled QLoRA blocks keep through the forward without checkpointing
+    (or a memory budget): the partitioner saves each block's compute-dtype weights for its backward rather than
+    dequantise again, 13 GiB on the Llama-3-8B shape (the first block's q / k / v not, its input needing no
+    gradient; counted anyway). Counted with autograd's saved tensors of compiled tiny Llama QLoRA on CPU
+    (tests/unit/test_plan.py); with checkpointing the recompute dequantises (NF4_COMPILED_COPIES)."""
+    if s.peft != "qlora" or not s.compile or s.activation_checkpointing != "none" or s.budget_applies:
+        return 0.0
+    return float(m.target_params * s.compute_bytes)
 
 
 def backward_transient(m: ModelShape, s: Setting) -> float:
@@ -188,7 +199,9 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf more with the checkpoint inside it, and a
     compiled QLoRA block NF4_COMPILED_COPIES dequantised weights."""
     extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
-    fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes if s.compile and s.peft == "qlora" else 0.0
+    fixed = 0.0  # a compiled QLoRA block's dequantised weights in backward, unless the forward kept them all
+    if s.compile and s.peft == "qlora" and not dequantised_kept(m, s):
+        fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes
     if s.checkpoint_traced:
         extra += INSIDE_RECOMPUTE
     elif s.budget_recompute:  # a recompute inside the compiled backward too: its share of full's

@@ -277,6 +277,22 @@ def weight_passes(s: Setting) -> float:
     return 2.0 + (1.0 if s.activation_checkpointing != "none" else s.budget_recompute)
 
 
+def dequant_passes(s: Setting) -> float:
+    """Dequantisations of each NF4 weight per micro-batch. Eager (NF4Linear): weight_passes, its backward
+    dequantising again. Compiled blocks: one per run of the block's forward graph and none more in backward. Under
+    checkpointing inside the compiled block the recompute's dequantisation and backward's are one node
+    (AOTAutograd's CSE) in the backward graph; around it, the recompute's forward keeps the weights for backward
+    (memory.NF4_COMPILED_COPIES); under a memory budget backward dequantises again in place of keeping them.
+    Without either the forward keeps every block's dequantised weights for backward (memory.activations counts
+    them): one pass. Counted in tiny Llama QLoRA's AOT graphs on CPU (TORCH_LOGS=aot_graphs, inside, around,
+    selective, none, budget 0 and 0.3; bench/RESULTS.md thirty-seventh session). Priced at three passes, the 26
+    compiled 8B / 70B QLoRA rows on record were predicted 4.8% slow on average (mean error 5.6%); at these, 2.8%
+    (4.3%), and the H100's inside rows -4.6..-6.2% (were -7.3..-8.9%)."""
+    if not s.compile:
+        return weight_passes(s)
+    return 1.0 if s.activation_checkpointing == "none" and not s.budget_applies else 2.0
+
+
 def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float, hw: Any) -> float:
     """Seconds train.float8 takes off the blocks' linear matmuls (FLOAT8_SPEEDUP), less the frozen weights'
     gradients eager LoRA forms and drops, plus the per-pass casts a kept float8 base does not make;
@@ -305,9 +321,9 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     if s.peft != "none":
         compute += LORA_OVERHEAD * tokens * m.lora_params * 8 / (hw.hbm_bytes_per_s)
     if s.peft == "qlora":
-        # Each NF4 weight is dequantised in forward, in the recompute and in backward of every micro-batch:
-        # reads 4 bits and writes the compute dtype.
-        passes = weight_passes(s)
+        # Each NF4 weight is dequantised in each pass (dequant_passes) of every micro-batch: reads 4 bits and
+        # writes the compute dtype.
+        passes = dequant_passes(s)
         compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / min(
             hw.bf16_flops * DEQUANT_BYTES_PER_FLOP, hw.hbm_bytes_per_s)
     trainable = m.params if s.peft == "none" else m.lora_params
