@@ -428,6 +428,10 @@ def test_compiled_qlora_without_checkpointing_keeps_its_dequantised_weights(comp
     assert dequantised_kept(shape, s) == (shape.target_params * 2 if compiled else 0)
     assert dequant_passes(s) == (1.0 if compiled else 2.0)
     assert dequant_passes(replace(s, activation_checkpointing="full")) == (2.0 if compiled else 3.0)
+    if compiled:  # under a memory budget: dequantised again in backward up to 0.7 (graphs read on CPU), kept at 0.8
+        for budget, kept in ((0.3, False), (0.5, False), (0.7, False), (0.8, True)):
+            b = replace(s, memory_budget=budget)
+            assert (dequantised_kept(shape, b) > 0, dequant_passes(b)) == (kept, 1.0 if kept else 2.0), budget
 
 
 @pytest.mark.parametrize("peft_method", ["none", "lora"])

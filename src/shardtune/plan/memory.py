@@ -88,6 +88,9 @@ INSIDE_RECOMPUTE = 3.5
 # 3 x h x f x 2 bytes = 0.33 GiB; the 70B shape 1.10 GiB above (calls 40 and 80) against 1.31 (the side where a
 # plan errs toward not fitting). Eager QLoRA dequantises one layer at a time (0.06-0.13 GiB under: not counted).
 NF4_COMPILED_COPIES = 3
+# Compiled QLoRA blocks without checkpointing under parallel.activation_memory_budget: backward dequantised the
+# weights again at budgets 0, 0.3, 0.5, 0.6 and 0.7, and at 0.8 the forward kept them all (tiny Llama on CPU).
+KEPT_DEQUANT_BUDGET = 0.7
 # peft.base_dtype: float8: each adapted weight as its tensorwise float8 cast (1 byte; one fp32 scale per layer),
 # loaded one layer at a time (assemble.load_kept), so the bf16 base is never whole on the GPU.
 FLOAT8_BYTES = 1.0
@@ -174,19 +177,26 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     whole = activation_bytes_per_token_layer(m, s, kept=True) * s.tokens
     if s.budget_applies:  # parallel.activation_memory_budget: between full checkpointing's and none's
         kept = block_input + budget_kept_share(s.memory_budget) * max(0.0, whole - block_input)
-        return m.layers * kept, whole - kept
+        return m.layers * kept + dequantised_kept(m, s), whole - kept
     return m.layers * whole + dequantised_kept(m, s), 0.0
 
 
+def keeps_dequantised(s: Setting) -> bool:
+    """Whether compiled QLoRA blocks keep their dequantised NF4 weights from forward to backward: without
+    checkpointing the partitioner saves each block's compute-dtype weights rather than dequantise again, unless a
+    memory budget of at most KEPT_DEQUANT_BUDGET has it recompute them. Read off tiny Llama QLoRA's AOT graphs on
+    CPU (bench/RESULTS.md thirty-seventh session); with checkpointing the recompute dequantises
+    (NF4_COMPILED_COPIES)."""
+    if s.peft != "qlora" or not s.compile or s.activation_checkpointing != "none":
+        return False
+    return not s.budget_applies or s.memory_budget > KEPT_DEQUANT_BUDGET
+
+
 def dequantised_kept(m: ModelShape, s: Setting) -> float:
-    """Bytes of the dequantised NF4 weights compiled QLoRA blocks keep through the forward without checkpointing
-    (or a memory budget): the partitioner saves each block's compute-dtype weights for its backward rather than
-    dequantise again, 13 GiB on the Llama-3-8B shape (the first block's q / k / v not, its input needing no
-    gradient; counted anyway). Counted with autograd's saved tensors of compiled tiny Llama QLoRA on CPU
-    (tests/unit/test_plan.py); with checkpointing the recompute dequantises (NF4_COMPILED_COPIES)."""
-    if s.peft != "qlora" or not s.compile or s.activation_checkpointing != "none" or s.budget_applies:
-        return 0.0
-    return float(m.target_params * s.compute_bytes)
+    """Bytes of what keeps_dequantised keeps: every block's weights, 13 GiB on the Llama-3-8B shape (all but the
+    first block's q / k / v, its input needing no gradient: counted anyway). Counted with autograd's saved tensors
+    of compiled tiny Llama QLoRA on CPU (tests/unit/test_plan.py)."""
+    return float(m.target_params * s.compute_bytes) if keeps_dequantised(s) else 0.0
 
 
 def backward_transient(m: ModelShape, s: Setting) -> float:
@@ -200,7 +210,7 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     compiled QLoRA block NF4_COMPILED_COPIES dequantised weights."""
     extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
     fixed = 0.0  # a compiled QLoRA block's dequantised weights in backward, unless the forward kept them all
-    if s.compile and s.peft == "qlora" and not dequantised_kept(m, s):
+    if s.compile and s.peft == "qlora" and not keeps_dequantised(s):
         fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes
     if s.checkpoint_traced:
         extra += INSIDE_RECOMPUTE

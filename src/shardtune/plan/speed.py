@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.plan.memory import NF4_BYTES, offloaded_activations
+from shardtune.plan.memory import NF4_BYTES, keeps_dequantised, offloaded_activations
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape
 
@@ -282,15 +282,15 @@ def dequant_passes(s: Setting) -> float:
     dequantising again. Compiled blocks: one per run of the block's forward graph and none more in backward. Under
     checkpointing inside the compiled block the recompute's dequantisation and backward's are one node
     (AOTAutograd's CSE) in the backward graph; around it, the recompute's forward keeps the weights for backward
-    (memory.NF4_COMPILED_COPIES); under a memory budget backward dequantises again in place of keeping them.
-    Without either the forward keeps every block's dequantised weights for backward (memory.activations counts
-    them): one pass. Counted in tiny Llama QLoRA's AOT graphs on CPU (TORCH_LOGS=aot_graphs, inside, around,
-    selective, none, budget 0 and 0.3; bench/RESULTS.md thirty-seventh session). Priced at three passes, the 26
+    (memory.NF4_COMPILED_COPIES); under a memory budget up to memory.KEPT_DEQUANT_BUDGET backward dequantises
+    again. Otherwise the forward keeps every block's dequantised weights for backward (memory.keeps_dequantised):
+    one pass. Counted in tiny Llama QLoRA's AOT graphs on CPU (TORCH_LOGS=aot_graphs, inside, around, selective,
+    none, budgets 0-0.8; bench/RESULTS.md thirty-seventh session). Priced at three passes, the 26
     compiled 8B / 70B QLoRA rows on record were predicted 4.8% slow on average (mean error 5.6%); at these, 2.8%
     (4.3%), and the H100's inside rows -4.6..-6.2% (were -7.3..-8.9%)."""
     if not s.compile:
         return weight_passes(s)
-    return 1.0 if s.activation_checkpointing == "none" and not s.budget_applies else 2.0
+    return 1.0 if keeps_dequantised(s) else 2.0
 
 
 def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float, hw: Any) -> float:
