@@ -11,7 +11,10 @@ half-byte codes and writes the weight in the compute dtype directly), and eager 
 The arithmetic is torchao's, in its order, in the NF4 weight's dtype, cast to the compute dtype
 at the end: eager results equal `weight.get_original_weight().to(dtype)` bit for bit (tested).
 The weight is dequantized again in backward (only the 4-bit weight is kept for it, never the
-full-precision copy), like torchao's `LinearNF4` and bitsandbytes.
+full-precision copy), like torchao's `LinearNF4` and bitsandbytes. Inside a compiled block (parallel.compile)
+Inductor fuses the same arithmetic into the block's kernels, and its partitioner decides: with checkpointing the
+backward dequantizes once more, without it (or under a memory budget over 0.7) the forward keeps every block's
+compute-dtype weights for backward, as plan/memory.py `keeps_dequantised` prices (read on CPU).
 """
 
 from __future__ import annotations
