@@ -405,9 +405,10 @@ def test_compiled_qlora_without_checkpointing_keeps_its_dequantised_weights(comp
     torch.manual_seed(0)
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=targets)).to(torch.bfloat16)
     quantize_to_nf4(model, lambda n: n.endswith(".base_layer"))
-    if compiled:
+    if compiled:  # Inductor's decompositions and partitioner without its code generation (the same 11 weights kept
+        # under inductor itself, 50 s of C++ compiling on a CI machine)
         for layer in model.base_model.model.model.layers:
-            layer.compile()
+            layer.compile(backend="aot_eager_decomp_partition")
     shapes = {(256, 256), (128, 256), (688, 256), (256, 688)}  # q and o, k and v, gate and up, down
     params = {p.untyped_storage().data_ptr() for p in model.parameters() if type(p).__name__ != "NF4Tensor"}
     kept: dict[int, int] = {}
