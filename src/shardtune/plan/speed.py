@@ -46,6 +46,9 @@ LIGER_EFF = {"eager": 1.17, "compiled": 0.85, "loss": 0.97, "peft": 0.96, "peft_
 # share of HBM bandwidth: 1B on one H200 (bench/RESULTS.md 2026-12-04, seventeenth session, call 45), 1024-token
 # chunks (8 a step) ran 19.6 ms a step faster than 256 (32): 24 x 2.1 GB in 19.6 ms.
 FUSED_CHUNK_EFF = 0.6
+# The device bandwidth LIGER_EFF and FUSED_CHUNK_EFF were fitted at (the H200's copy rate, hardware.py): the
+# accumulator traffic of Liger's own chunks is inside LIGER_EFF there, and takes longer where HBM is slower.
+LIGER_FIT_HBM = 4.3e12
 # train.float8: the blocks' Linear layers in float8 (torchao), each recipe's speedup on the time of those layers'
 # matmuls (forward, recompute, backward; casts included), against bf16 at the same kernel efficiency. Each fitted
 # on its own rows (one H200, compiled blocks, Liger's loss, bench/RESULTS.md twenty-first session, calls 64-66):
@@ -181,8 +184,10 @@ def fused_chunk_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     accumulator, where LIGER_EFF was measured: the LM head's gradient read and written once per chunk, each chunk
     fewer at FUSED_CHUNK_EFF (fitted on chunk sizes: a chunk's other costs go with it), and the accumulator's
     bytes in the weight's dtype instead of fp32 at the device's rate (one H100, 1B, 8 chunks a step: 2.2 and 2.9
-    ms a step faster measured in calls 98 and 100, 2.5 priced). Nothing when the head is frozen (LoRA / QLoRA: no
-    gradient to accumulate) or the loss is plain."""
+    ms a step faster measured in calls 98 and 100, 2.5 priced). Liger's own chunks' traffic is taken off at the
+    bandwidth it was fitted at (LIGER_FIT_HBM), this run's priced at the device's: on an H100 the 1B's 32 fp32
+    passes cost 11 ms a step more than on the H200 (its rows had run 5-8% under the price). Nothing when the head
+    is frozen (LoRA / QLoRA: no gradient to accumulate) or the loss is plain."""
     if not s.fused_loss_runs or s.peft != "none":
         return 0.0
     from shardtune.models.liger_rules import fused_loss_chunk
@@ -190,9 +195,10 @@ def fused_chunk_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     def chunks(rows: int) -> int:
         return -(-s.tokens // fused_loss_chunk(s.tokens, m.vocab, m.hidden, rows)[1])
 
-    fewer = (chunks(s.liger_chunk) - chunks(0)) * 4 / FUSED_CHUNK_EFF  # fp32 passes of the accumulator, as fitted
-    narrower = chunks(s.liger_chunk) * (s.head_accum_bytes - 4)  # its bytes in the weight's dtype, each pass
-    return (fewer + narrower) * 2 * m.vocab * m.hidden * s.grad_accum / hw.hbm_bytes_per_s
+    liger = chunks(0) * 4 / FUSED_CHUNK_EFF  # fp32 passes of the accumulator with Liger's chunk, as fitted
+    # this run's: one per chunk, in the weight's dtype where model.liger_accum says so
+    ours = chunks(s.liger_chunk) * (4 / FUSED_CHUNK_EFF + s.head_accum_bytes - 4)
+    return (ours / hw.hbm_bytes_per_s - liger / LIGER_FIT_HBM) * 2 * m.vocab * m.hidden * s.grad_accum
 
 
 def comm_bytes(m: ModelShape, s: Setting) -> dict[str, float]:
