@@ -72,7 +72,10 @@ def nf4_dequantize(weight: Any, dtype: torch.dtype | None = None) -> torch.Tenso
     global _compiled
     pairs, qscalers, qfactor, mean, code_book = nf4_inputs(weight)
     args = (pairs, qscalers, qfactor, mean, code_book, dtype or weight.dtype)
-    kernel = _kernel(pairs.device)
+    # Inside a compiled block Inductor fuses the plain arithmetic into the block's kernels. Reading the cache
+    # there would make the block's graph guard on it: the first block traced fills it, so the graph traced
+    # before that recompiled in step 2 (6 s of an 8B step on an H100, call 119).
+    kernel = _dequantize if torch.compiler.is_compiling() else _kernel(pairs.device)
     if kernel is _dequantize:
         return _dequantize(*args).view(weight.shape)
     for t in (pairs, qscalers, qfactor):  # one kernel for every weight size: no recompile per shape
