@@ -89,6 +89,9 @@ class CompiledAdamW:
                     self.compiled([p.view(-1) for p, _ in chunk], [g.reshape(-1) for _, g in chunk],
                                   [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
                                   copies, [s["step"] for s in states], lrs[index], divisor, keep, *hyper)
+        # What torch's LR scheduler marks when the optimizer's own step() runs; without it the schedule's first
+        # step warns that it came before the optimizer's (it did not: this was the update).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return norm
 
     def _chunks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
