@@ -7,6 +7,7 @@ import gc
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 
 _NEVER = 1 << 30  # a full-collection threshold no count reaches
@@ -100,6 +101,10 @@ def _not_torch_enum_constant_deprecation(record: logging.LogRecord) -> bool:
 
 _LIBRARY_NOISE = {"torchao": _not_torchao_cuda_kernels_without_cuda,
                   "torch.utils._pytree": _not_torch_enum_constant_deprecation}
+# Python warnings of the same kind, by category and the start of the message (a regex):
+# - transformers (5.2x) tells PEFT (0.21), whose get_peft_model reads `is_gradient_checkpointing`, that it is
+#   deprecated: a line in every LoRA / QLoRA run.
+_LIBRARY_WARNINGS = [(FutureWarning, r"`is_gradient_checkpointing` is deprecated")]
 
 
 def quiet_library_noise() -> None:
@@ -109,3 +114,5 @@ def quiet_library_noise() -> None:
         logger = logging.getLogger(name)
         if keep not in logger.filters:
             logger.addFilter(keep)
+    for category, message in _LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)  # a repeat replaces, not adds

@@ -58,3 +58,32 @@ def test_an_adapter_of_a_preset_says_how_to_rebuild_its_base():
     assert name == "tiny-llama"
     assert "shardtune init-model BASE --preset tiny-llama --seed 3" in readme
     assert "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('BASE'), ADAPTER_DIR)" in readme
+
+
+def test_an_adapter_of_a_preset_is_saved_without_looking_its_base_up():
+    """PEFT's `save_embedding_layers="auto"` looks the base's config.json up to see whether the vocabulary was resized,
+    on the Hub when the base is not a local folder (a preset's name): a network call at every adapter save, and a
+    warning offline. shardtune never resizes the vocabulary, so only an adapted embedding is saved, and no lookup."""
+    import warnings
+
+    from shardtune.peft.lora import adapter_state
+
+    model = _lora(0.0)
+    model.peft_config["default"].base_model_name_or_path = "tiny-llama"  # what a preset's adapter records
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = adapter_state(model, 0, gather=lambda t: t)
+    assert state and all("lora_" in k for k in state) and not any("embed_tokens" in k for k in state)
+
+
+def test_building_a_lora_model_shows_no_library_deprecation_warning():
+    """transformers 5.2x warns that `is_gradient_checkpointing` is deprecated when PEFT's get_peft_model reads it: a
+    line in every LoRA run's output that its user can do nothing about (runtime.quiet_library_noise drops it)."""
+    import warnings
+
+    from shardtune.runtime import quiet_library_noise
+
+    with warnings.catch_warnings(record=True) as caught:
+        quiet_library_noise()
+        _lora(0.0)
+    assert not [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)]

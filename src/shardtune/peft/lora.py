@@ -129,8 +129,13 @@ def adapter_state(model: nn.Module, rank: int,
     if rank != 0:
         return None
     from peft.utils import get_peft_model_state_dict
+    from peft.utils.other import EMBEDDING_LAYER_NAMES
 
-    return get_peft_model_state_dict(model, state_dict=full)
+    # PEFT's "auto" saves the embedding where it is adapted, and otherwise looks the base's config.json up to see
+    # whether the vocabulary was resized: on the Hub where the base is no local folder (a preset's name), a network
+    # call at each save. shardtune never resizes the vocabulary, so only an adapted embedding is saved.
+    adapted = any(part in EMBEDDING_LAYER_NAMES for name in full for part in name.split("."))
+    return get_peft_model_state_dict(model, state_dict=full, save_embedding_layers="auto" if adapted else False)
 
 
 
