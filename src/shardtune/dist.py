@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,16 @@ def first_problem(problem: str | None) -> str | None:
     return next((p for p in everyone if p), None)
 
 
+def all_gather_single(output: torch.Tensor, part: torch.Tensor) -> Any:
+    """`output` = every rank's `part` in rank order (torch 2.13 renamed all_gather_into_tensor, now deprecated)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, part)
+
+
+def reduce_scatter_single(part: torch.Tensor, full: torch.Tensor) -> Any:
+    """`part` = this rank's piece of the sum of every rank's `full` (torch 2.13 renamed reduce_scatter_tensor)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, full)
+
+
 def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
     """Each rank's `values`, in rank order, on every rank (one collective)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -124,8 +134,7 @@ def all_gather_floats(values: list[float], device: torch.device) -> list[list[fl
         return [t.tolist()]
     world = dist.get_world_size()
     out = torch.empty(world * len(values), dtype=torch.float64, device=device)  # flat: gloo wants 1-D pieces
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name from 2.13
-    gather(out, t)
+    all_gather_single(out, t)
     return out.view(world, len(values)).tolist()
 
 

@@ -104,7 +104,12 @@ _LIBRARY_NOISE = {"torchao": _not_torchao_cuda_kernels_without_cuda,
 # Python warnings of the same kind, by category and the start of the message (a regex):
 # - transformers (5.2x) tells PEFT (0.21), whose get_peft_model reads `is_gradient_checkpointing`, that it is
 #   deprecated: a line in every LoRA / QLoRA run.
-_LIBRARY_WARNINGS = [(FutureWarning, r"`is_gradient_checkpointing` is deprecated")]
+# - torch (2.13) tells DeepSpeed (0.19) that all_gather_into_tensor and reduce_scatter_tensor are deprecated, at each
+#   call (shardtune calls the new names: dist.all_gather_single).
+_LIBRARY_WARNINGS = [
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+]
 
 
 def quiet_library_noise() -> None:

@@ -179,9 +179,11 @@ def bus_bandwidth(total_bytes: int, seconds: float, world: int) -> float:
 
 
 def collective_bandwidth(kind: str, device: torch.device, total_bytes: int, iters: int, warmup_s: float) -> float:
-    """Bus bandwidth, bytes/s, of all_gather_into_tensor or reduce_scatter_tensor in bf16 over the default
+    """Bus bandwidth, bytes/s, of all_gather_single or reduce_scatter_single in bf16 over the default
     process group; total_bytes is the gathered (or the reduced) tensor's size."""
     import torch.distributed as dist
+
+    from shardtune.dist import all_gather_single, reduce_scatter_single
 
     world = dist.get_world_size()
     numel = max(1, total_bytes // 2 // world) * world
@@ -189,10 +191,10 @@ def collective_bandwidth(kind: str, device: torch.device, total_bytes: int, iter
     part = torch.empty(numel // world, dtype=torch.bfloat16, device=device)
     if kind == "all_gather":
         def fn() -> object:
-            return dist.all_gather_into_tensor(full, part)
+            return all_gather_single(full, part)
     elif kind == "reduce_scatter":
         def fn() -> object:
-            return dist.reduce_scatter_tensor(part, full)
+            return reduce_scatter_single(part, full)
     else:
         raise ValueError(f"kind {kind!r}: expected 'all_gather' or 'reduce_scatter'")
     dist.barrier()
