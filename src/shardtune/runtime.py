@@ -99,8 +99,17 @@ def _not_torch_enum_constant_deprecation(record: logging.LogRecord) -> bool:
     return "is an Enum subclass and is now natively supported by torch.compile" not in record.getMessage()
 
 
+def _not_checkpoint_context_fn_notice(record: logging.LogRecord) -> bool:
+    # - torch, once a process, where compile traces a checkpoint given a context_fn (parallel/prepare.py's
+    #   recompute_all_context and selective policy: every compiled block under checkpointing, the GPU default):
+    #   "make sure the checkpointed region does not contain in-place ops". A note to the code's author, which
+    #   tests/dist/test_parity.py's compiled checkpoint variants answer, not to its user.
+    return "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile" not in record.getMessage()
+
+
 _LIBRARY_NOISE = {"torchao": _not_torchao_cuda_kernels_without_cuda,
-                  "torch.utils._pytree": _not_torch_enum_constant_deprecation}
+                  "torch.utils._pytree": _not_torch_enum_constant_deprecation,
+                  "torch._higher_order_ops.wrap": _not_checkpoint_context_fn_notice}
 # Python warnings of the same kind, by category and the start of the message (a regex):
 # - transformers (5.2x) tells PEFT (0.21), whose get_peft_model reads `is_gradient_checkpointing`, that it is
 #   deprecated: a line in every LoRA / QLoRA run.
