@@ -293,3 +293,38 @@ def test_a_deep_copy_or_pickle_of_a_prepared_model_trains_its_own_weights(where:
         assert float(loss) == pytest.approx(float(fresh(input_ids=ids, labels=ids).loss), rel=1e-5)
         assert all(p.grad is not None for p in copied.parameters() if p.requires_grad)
         assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("inside", ["true", "false"])
+def test_one_graph_serves_every_block_when_the_embedding_is_frozen(inside: str) -> None:
+    """LoRA / QLoRA freeze the input embedding, so the first block's input came without grad and every other's with:
+    Dynamo compiled the block twice (call 119: the second graph's compile in the 8B's first step). prepare has the
+    embedding's output require grad: one graph for all blocks, and the same losses and block gradients."""
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    overrides = ["parallel.activation_checkpointing=full", "parallel.compile=true",
+                 f"parallel.checkpoint_in_compile={inside}"]
+    results, models = [], []
+    for hook in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        model, _, _ = offload_test_model(overrides)
+        model.get_input_embeddings().weight.requires_grad_(False)
+        models.append(model)
+        if not hook:  # the hook prepare registered, dropped: the reference
+            model.get_input_embeddings()._forward_hooks.clear()
+        losses = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        results.append((losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                        counters["stats"]["unique_graphs"]))
+    (losses, grads, graphs), (ref_losses, ref_grads, ref_graphs) = results
+    assert (graphs, ref_graphs) == (1, 2)
+    assert losses == ref_losses and grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=0, msg=name)
+    embed = models[0].get_input_embeddings()
+    assert embed(ids).requires_grad
+    with torch.no_grad():  # evaluation: the output stays without grad
+        assert not embed(ids).requires_grad

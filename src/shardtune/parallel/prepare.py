@@ -294,12 +294,30 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
         allow_side_effects_under_checkpoint()
     kwargs, compile_kw = checkpoint_kwargs(mode, traced), compile_kwargs(parallel)
     compiled_around = parallel.compile and mode != "none" and not traced
+    if parallel.compile:
+        one_graph_for_every_block(model)
     for block in blocks:
         if mode != "none":
             block.forward = CheckpointedForward(block, kwargs, compile_kw if compiled_around else None)
         if parallel.compile and not compiled_around:
             block.compile(**compile_kw)
     return offload
+
+
+def one_graph_for_every_block(model: nn.Module) -> None:
+    """Have the input embedding's output require grad where the embedding is frozen (LoRA, QLoRA), as transformers'
+    `enable_input_require_grads` does. Dynamo guards on whether a block's input requires grad: the first block's
+    came without, every other block's with, so each run compiled the block twice (one block's compile: ~6 s of the
+    8B QLoRA's first step on an H100, 3 s of a tiny CPU run). The price is the first block's input gradient, its
+    q / k / v input gradients: 0.1% of the 8B's backward."""
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if isinstance(embed, nn.Module):
+        embed.register_forward_hook(_output_requires_grad)
+
+
+def _output_requires_grad(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and not output.requires_grad:  # not in evaluation (no_grad)
+        output.requires_grad_(True)
 
 
 # A decoder block's KV-cache arguments across transformers' releases and models.
