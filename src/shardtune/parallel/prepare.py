@@ -308,7 +308,7 @@ def one_graph_for_every_block(model: nn.Module) -> None:
     """Have the input embedding's output require grad where the embedding is frozen (LoRA, QLoRA), as transformers'
     `enable_input_require_grads` does. Dynamo guards on whether a block's input requires grad: the first block's
     came without, every other block's with, so each run compiled the block twice (one block's compile: ~6 s of the
-    8B QLoRA's first step on an H100, 3 s of a tiny CPU run). The price is the first block's input gradient, its
+    8B QLoRA's first step on an H100, 1.6 s of a micro CPU run). The price is the first block's input gradient, its
     q / k / v input gradients: 0.1% of the 8B's backward."""
     embed = getattr(model, "get_input_embeddings", lambda: None)()
     if isinstance(embed, nn.Module):
