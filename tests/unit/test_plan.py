@@ -389,8 +389,9 @@ def test_activation_formula_matches_autograds_saved_tensors() -> None:
 @pytest.mark.parametrize("compiled", [True, False])
 def test_compiled_qlora_without_checkpointing_keeps_its_dequantised_weights(compiled: bool) -> None:
     """Compiled QLoRA blocks without checkpointing save every weight dequantised in bf16 for backward (compile's
-    partitioner keeps them rather than dequantise again: 13 GiB on the 8B shape), all but the first block's q / k / v
-    (its input needs no gradient); eager blocks keep the 4-bit weight only (NF4Linear). The planner counts them
+    partitioner keeps them rather than dequantise again: 13 GiB on the 8B shape); this bare model leaves out the first
+    block's q / k / v (its input needs no gradient here; in a run prepare gives it one, so the planner counts them
+    all); eager blocks keep the 4-bit weight only (NF4Linear). The planner counts them
     (memory.dequantised_kept) and prices one dequantisation a micro-batch there (speed.dequant_passes)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM

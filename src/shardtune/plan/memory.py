@@ -193,9 +193,9 @@ def keeps_dequantised(s: Setting) -> bool:
 
 
 def dequantised_kept(m: ModelShape, s: Setting) -> float:
-    """Bytes of what keeps_dequantised keeps: every block's weights, 13 GiB on the Llama-3-8B shape (all but the
-    first block's q / k / v, its input needing no gradient: counted anyway). Counted with autograd's saved tensors
-    of compiled tiny Llama QLoRA on CPU (tests/unit/test_plan.py)."""
+    """Bytes of what keeps_dequantised keeps: every block's weights, 13 GiB on the Llama-3-8B shape (the first
+    block's q / k / v too: prepare.one_graph_for_every_block has that block's input need a gradient). Counted with
+    autograd's saved tensors of compiled tiny Llama QLoRA on CPU (tests/unit/test_plan.py)."""
     return float(m.target_params * s.compute_bytes) if keeps_dequantised(s) else 0.0
 
 
