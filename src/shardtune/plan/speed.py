@@ -260,9 +260,10 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     node share its cores); NVMe adds reading and writing the states (not modelled beyond the host rate).
     parallel.activation_offload copies the offloaded activations out in forward and back in backward, once per
     micro-batch, priced as if not overlapped with compute (as measured in 2026-12-04 with torch's save_on_cpu's
-    blocking copies). The side-stream copies of parallel/prepare.py overlap: 8B QLoRA at 131,072 tokens ran 8%
-    above this price on an H100 (call 76), with no run without offload in that call to say how much of the 8% is
-    the copies; kept until one does (bench/RESULTS.md "Next GPU calls")."""
+    blocking copies). The side-stream copies of parallel/prepare.py overlap: 8B QLoRA at 131,072 tokens ran as
+    fast with them as without on an H200 (call 123: -0.1%; priced -3.0%), but a probe of 8 blocks at 16,384 tokens
+    had them cost 10% (more than the blocking copies' 7%; its variants' order not yet ruled out); kept until the
+    next call's probe (bench/RESULTS.md "Next GPU calls")."""
     activations = 2 * offloaded_activations(m, s) * s.grad_accum / hw.h2d_bytes_per_s
     if s.embedding_on_host(m):  # peft.offload_embedding: each micro-batch's rows copied in, queued on the stream
         activations += s.tokens * m.hidden * s.frozen_bytes * s.grad_accum / hw.h2d_bytes_per_s
