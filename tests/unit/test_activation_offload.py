@@ -20,7 +20,7 @@ from shardtune.plan.hardware import lookup
 from shardtune.plan.memory import GIB, INSIDE_RECOMPUTE, gpu_memory, offloaded_activations
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import model_shape
-from shardtune.plan.speed import offload_seconds
+from shardtune.plan.speed import OFFLOAD_EXPOSED, offload_seconds, step_time
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -191,8 +191,15 @@ def test_the_planner_moves_the_block_inputs_to_the_host() -> None:
     final_norm = 6 * shape.hidden * 131072  # its fp32 upcast and bf16 normalised input, on the host with them
     assert moved.host["activations"] == inputs + final_norm and "activations" not in plain.host
     h200 = lookup("h200")
-    assert offload_seconds(shape, on, h200) == pytest.approx(2 * inputs / h200.h2d_bytes_per_s)
-    assert offload_seconds(shape, base, h200) == 0.0
+    copies = 2 * inputs / h200.h2d_bytes_per_s  # out in forward, back in backward
+    # On the side stream: hidden by the compute but OFFLOAD_EXPOSED of them; what outlasts the compute is exposed.
+    assert offload_seconds(shape, on, h200, compute=10 * copies) == pytest.approx(OFFLOAD_EXPOSED * copies)
+    assert offload_seconds(shape, on, h200, compute=copies / 2) == pytest.approx((0.5 + OFFLOAD_EXPOSED) * copies)
+    assert offload_seconds(shape, base, h200, compute=0.0) == 0.0
+    # Priced in the step: the plain run that fits stays faster, so the search does not take the offload for its
+    # smaller memory (its tie-break); the difference is the exposed share.
+    fast, slow = step_time(shape, base, h200), step_time(shape, on, h200)
+    assert slow.seconds - fast.seconds == pytest.approx(OFFLOAD_EXPOSED * copies)
 
 
 def test_the_planner_prices_the_offload_with_the_checkpoint_inside_or_around() -> None:
