@@ -89,6 +89,7 @@ def test_the_start_says_how_much_of_the_held_out_set_each_evaluation_runs(slow_e
     ("auto", 0, 1, 30, 15),  # a 30-step run evaluates 15 micro-batches per process, not 1,000 examples
     ("auto", 0, 1, 1, 1),
     ("auto", 100, 2, 300, 100),
+    ("auto", 100, 2, 4, 4),  # shorter than eval_every: evaluated at its start and end, 4 steps apart
     ("auto", 0, 4, 7, 14),
     (8, 0, 1, 30, 8),
 ])

@@ -892,16 +892,17 @@ def data_line(data: DataBundle) -> str:
 
 def eval_batch_cap(t: TrainConfig, total_steps: int | None) -> int:
     """Eval micro-batches per process each evaluation may run (train.eval_batches). `auto` sizes it to the run:
-    half the training micro-batches between two evaluations (eval_every, else the whole run). A forward costs
-    about a third of a training micro-batch, so evaluating takes at most about a sixth of the training time;
-    a 30-step run on 1,000 held-out examples no longer spends most of its time evaluating."""
+    half the training micro-batches between two evaluations (eval_every, else the whole run; a run shorter than
+    eval_every evaluates at its start and its end only). A forward costs about a third of a training micro-batch,
+    so evaluating takes at most about a sixth of the training time; a 30-step run on 1,000 held-out examples no
+    longer spends most of its time evaluating, nor a 4-step try of a config that evaluates every 100."""
     if t.eval_batches in ("all", None):
         return 2**62
     if t.eval_batches != "auto":
         return int(t.eval_batches)
     if total_steps is None:
         return 2**62
-    between = t.eval_every or total_steps
+    between = min(t.eval_every or total_steps, total_steps)
     return max(1, -(-between * t.grad_accum // 2))
 
 
