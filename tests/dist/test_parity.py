@@ -251,6 +251,18 @@ def test_compile_produces_compiled_graphs(results):
     assert_same_gradients(ref, two["_one_compile"])  # compiled on one process too (whose graphs the two ranks reuse)
 
 
+def test_compiled_qlora_blocks_under_zero3_train_as_eager_with_one_graph_for_every_block(results):
+    """Compiled QLoRA blocks with the checkpoint inside, sharded over two processes: the eager run's trajectory,
+    and as many graphs as full fine-tuning compiles (one for every block in training, one for evaluation's no_grad
+    forward). The frozen embedding's output is made to need a gradient (parallel/prepare.py
+    one_graph_for_every_block) on FSDP2's sharded embedding too; without it block 0 compiles a graph of its own."""
+    two = results[1]
+    compiled = two["zero3:qlora:ac:compile"]
+    assert_same_gradients(two["zero3:qlora"], compiled)
+    assert compiled["nf4_params"] == PROJECTIONS * LAYERS
+    assert compiled["compiled_graphs"] == two["zero3:compile"]["compiled_graphs"] == 2
+
+
 @pytest.mark.parametrize(("variant", "dtype"), [("zero3", "float32"), ("zero3:bf16", "bfloat16"),
                                                 ("zero2:fp16", "float16"), (LORA_BF16, "bfloat16")])
 def test_blocks_compute_in_the_claimed_precision(results, variant, dtype):
