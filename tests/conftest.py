@@ -230,7 +230,7 @@ TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "z
                         "zero3:ac:compile:around", "zero3:compile:budget", "zero3:dir", "zero3:packed",
                         "ddp:packed", "ddp:lora", "zero2:lora", "zero3:lora", "zero3:lora:bf16", "zero3:bf16",
                         "zero2:fp16", "zero3:qlora", "zero3:adamw8bit", "zero3:noclip", "zero3:mb1",
-                        "zero3:lora:local", "zero3:lora:bf16:local", "zero3:qlora:local", "zero3:qlora:ac:compile"]
+                        "zero3:lora:local", "zero3:lora:bf16:local", "zero3:qlora:local", "zero3:qlora:ac:compile:aot"]
 
 
 def worker_results(out: Path, nproc: int, grad_accum: int, variants: list[str],

@@ -2,27 +2,31 @@
 
     torchrun --nproc-per-node N tests/dist/worker.py OUT_DIR GRAD_ACCUM VARIANT [VARIANT ...]
 
-A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing),
-compile, packed (data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora,
-adamw8bit, ds (parallel.backend=deepspeed), offload / offparams / nvme (DeepSpeed offload of the optimizer /
-of parameters and optimizer), s2 (parallel.shard_size=2, for hsdp), local (parallel.shard_frozen=false),
-noclip (optim.max_grad_norm=0, lr 1e-2), mb8 / mb1 (micro-batch 8 x accumulation 1 / micro-batch 1 x
-accumulation 4). For each variant rank 0 records the loss and grad-norm (before clipping) trajectories, facts
-that prove a feature was on (`Probe`: block recomputes, activation dtypes, document masks; compiled graphs, NF4
-parameters, optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor sharded on dim 0, and the
-largest logit difference between the trained (sharded) model and the Hugging Face directory it exported,
-reloaded with transformers, and the run's communication accounting (summary.json's `comm`) with the
-model's element counts; for every rank, what its load read and the most it materialised at once (`LoadProbe`,
-around the run's weight source). Results go to OUT_DIR/results.json. One launch for many variants:
+A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpointing), compile, packed
+(data.packing, seq_len 64), dir (load $SHARDTUNE_TEST_MODEL_DIR), lora, qlora, adamw8bit, ds
+(parallel.backend=deepspeed), offload / offparams / nvme (DeepSpeed offload of the optimizer / of parameters and
+optimizer), s2 (parallel.shard_size=2, for hsdp), local (parallel.shard_frozen=false), noclip
+(optim.max_grad_norm=0, lr 1e-2), mb8 / mb1 (micro-batch 8 x accumulation 1 / micro-batch 1 x accumulation 4), aot
+(torch.compile with the aot_eager backend: Dynamo's graphs and AOTAutograd's partition without Inductor's C++, as
+conftest's `without_inductor`). For each variant rank 0 records the loss and grad-norm (before clipping)
+trajectories, facts that prove a feature was on (`Probe`: block recomputes, activation dtypes, document masks;
+compiled graphs, NF4 parameters, optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor
+sharded on dim 0, and the largest logit difference between the trained (sharded) model and the Hugging Face
+directory it exported, reloaded with transformers, and the run's communication accounting (summary.json's `comm`)
+with the model's element counts; for every rank, what its load read and the most it materialised at once
+(`LoadProbe`, around the run's weight source). Results go to OUT_DIR/results.json. One launch for many variants:
 start-up costs ~3 s per launch on CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -66,7 +70,8 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "mb8": "train.micro_batch_size=8 train.grad_accum=1",
            "mb1": "train.micro_batch_size=1 train.grad_accum=4",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
-           "dir": "model.preset=null model.path={model_dir}"}
+           "dir": "model.preset=null model.path={model_dir}",
+           "aot": ""}  # no override: the compile backend (`compile_backend`)
 
 
 def _is_block(module: torch.nn.Module) -> bool:
@@ -200,6 +205,22 @@ def optimizer_state_types(optimizer: torch.optim.Optimizer) -> list[str]:
             if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step counter
                 names.add(type(value.to_local() if isinstance(value, DTensor) else value).__name__)
     return sorted(names)
+
+
+@contextlib.contextmanager
+def compile_backend(backend: str | None) -> Iterator[None]:
+    """torch.compile with `backend` inside (None: Inductor, the default). aot_eager traces and partitions as
+    Inductor's path does, so what a variant counts of graphs and saved tensors holds, without its C++ build (the
+    compiled QLoRA variant: ~60 s of the shared launch on CI's 2 cores, cold)."""
+    if backend is None:
+        yield
+        return
+    original = torch.compile
+    torch.compile = functools.partial(original, backend=backend)
+    try:
+        yield
+    finally:
+        torch.compile = original
 
 
 def compiled_graphs() -> int:
@@ -340,7 +361,8 @@ def main() -> None:
         probe, graphs = Probe(), compiled_graphs()
         PROBES.clear()
         try:
-            result = run_training(config_from_dict(BASE, overrides), ctx)
+            with compile_backend("aot_eager" if "aot" in opts else None):
+                result = run_training(config_from_dict(BASE, overrides), ctx)
         finally:
             probe.close()
         # What each rank's load read (rank order): a collective, so every rank joins for every variant.
