@@ -8,7 +8,8 @@ that, model.max_position_embeddings is raised with the preset's RoPE scaling kep
 checkpointing, Liger's fused loss (`model.liger=loss`: the logits are never materialised), and one text of at
 least SEQ tokens per step; `offload` adds parallel.activation_offload, `compile` parallel.compile (the checkpoint
 inside the compiled blocks: auto's choice without the offload), `compile_around` with the checkpoint around them,
-`offload_compile` both (auto: around), and `offload_inside` both with the checkpoint inside the compiled blocks.
+`offload_compile` both (auto: around), `offload_inside` both with the checkpoint inside the compiled blocks, and
+`offload_direct` that without FSDP2 (parallel.one_gpu=direct).
 `--hf` adds Hugging Face Trainer + PEFT + bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora,
 HF_LIGER=1) at the same lengths. A run that
 fails (out of memory) ends that variant's doubling: the longest length that trained is the result. Prints, last,
@@ -36,7 +37,10 @@ VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"],
             # the checkpoint inside the compiled blocks with the offload (allowed since the thirty-fifth session):
             # less recompute, ~3.5 x p x f bytes per token more in backward (auto keeps it around with the offload)
             "offload_inside": ["parallel.activation_offload=true", "parallel.compile=true",
-                               "parallel.checkpoint_in_compile=true"]}
+                               "parallel.checkpoint_in_compile=true"],
+            # the same without FSDP2 (parallel.one_gpu: auto keeps FSDP2 with the offload: not measured before)
+            "offload_direct": ["parallel.activation_offload=true", "parallel.compile=true",
+                               "parallel.checkpoint_in_compile=true", "parallel.one_gpu=direct"]}
 
 
 def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, log) -> dict:
