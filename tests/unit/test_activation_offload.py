@@ -15,7 +15,7 @@ from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
 from shardtune.models.build import load_hf_config
 from shardtune.models.presets import preset_config
-from shardtune.parallel import check_combination, checkpoint_traced, prepare
+from shardtune.parallel import check_combination, checkpoint_traced, describe, prepare
 from shardtune.plan.hardware import lookup
 from shardtune.plan.memory import GIB, INSIDE_RECOMPUTE, gpu_memory, offloaded_activations
 from shardtune.plan.setting import Setting
@@ -167,14 +167,19 @@ def test_a_tensor_saved_again_is_copied_once() -> None:
     assert torch.equal(hooks.unpack_hook(first), tensor / 2)
 
 
-def test_a_run_with_offload_trains_as_one_without(cli, tmp_path) -> None:
-    """The engine wires it in (FSDP2 on one gloo process): the same losses, step for step."""
+@pytest.mark.parametrize("one_gpu", ["auto", "direct"])
+def test_a_run_with_offload_trains_as_one_without(cli, tmp_path, one_gpu: str) -> None:
+    """The engine wires it in, on one gloo process under FSDP2 and without it (parallel.one_gpu=direct, as the
+    benches run micro-batch 3 with the offload on one GPU): the same losses, step for step."""
     losses = []
     for offload in ("false", "true"):
         out = tmp_path / offload
         proc = cli("train", TINY, "train.max_steps=3", "log.every=1", "parallel.activation_checkpointing=full",
-                   f"parallel.activation_offload={offload}", "--nproc", "1", "--output-dir", str(out))
+                   f"parallel.activation_offload={offload}", f"parallel.one_gpu={one_gpu}", "--nproc", "1",
+                   "--output-dir", str(out))
         assert proc.returncode == 0, proc.stderr[-3000:]
+        cfg = load_config(TINY, [f"parallel.activation_offload={offload}", f"parallel.one_gpu={one_gpu}"])
+        assert ("without FSDP2" in describe(cfg, 1)) is (one_gpu == "direct")  # auto: fp32 keeps FSDP2 either way
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses.append([r["loss"] for r in records if "loss" in r and not r.get("eval")])
     assert len(losses[0]) == 3 and losses[0] == losses[1]
