@@ -169,8 +169,9 @@ class LoadProbe:
         self.model_bytes = sum(meta.values())
         self.block_bytes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in built.blocks]
 
-    def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
-        rows = self.source.rows(name, shape, start, stop)
+    def rows(self, name: str, shape: torch.Size, start: int, stop: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        rows = self.source.rows(name, shape, start, stop, dtype)
         self.bytes_read += rows.numel() * rows.element_size()
         self.peak_full_bytes = max(self.peak_full_bytes, _full_bytes(self.model))
         return rows

@@ -123,7 +123,7 @@ def load_frozen_weights(taken: list[tuple[str, nn.Module, torch.Tensor]], source
     and keep only its float8 cast (cache_frozen_weights' per layer). Returns how many layers."""
     for name, module, meta in taken:
         weight = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        weight.copy_(source.rows(name, meta.shape, 0, meta.shape[0]))
+        weight.copy_(source.rows(name, meta.shape, 0, meta.shape[0], meta.dtype))
         module.weight = nn.Parameter(weight, requires_grad=False)
         _cache_one(module, free=True)
     return len(taken)

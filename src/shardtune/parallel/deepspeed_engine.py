@@ -102,7 +102,7 @@ class DeepSpeedBackend:
             skip.add(id(param))
             if weights is not None:
                 full = f"{prefix}.{name}" if prefix else name
-                param.copy_(weights.rows(full, param.shape, 0, param.shape[0] if param.dim() else 0))
+                param.copy_(weights.rows(full, param.shape, 0, param.shape[0] if param.dim() else 0, param.dtype))
             if self.precision != "fp32":  # ZeRO-3 keeps the module's partitions in the compute dtype
                 param.data = param.data.to(self.compute_dtype)
 

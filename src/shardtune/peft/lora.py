@@ -89,10 +89,11 @@ class LoraSource:
     def __init__(self, base: Any, seed: int, shapes: dict[str, torch.Size]) -> None:
         self.base, self.seed, self.shapes = base, seed, shapes  # shapes: base-model name -> full shape
 
-    def rows(self, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
+    def rows(self, name: str, shape: torch.Size, start: int, stop: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
         m = _LORA.search(name)
         if m is None:
-            return self.base.rows(base_name(name), shape, start, stop)
+            return self.base.rows(base_name(name), shape, start, stop, dtype)
         kind = m.group(1)
         if kind == "B":
             return torch.zeros((stop - start, *shape[1:]))
