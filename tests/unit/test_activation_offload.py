@@ -16,8 +16,9 @@ from shardtune.errors import ShardtuneError
 from shardtune.models.build import load_hf_config
 from shardtune.models.presets import preset_config
 from shardtune.parallel import check_combination, checkpoint_traced, describe, prepare
+from shardtune.plan import memory as memory_mod
 from shardtune.plan.hardware import lookup
-from shardtune.plan.memory import GIB, INSIDE_RECOMPUTE, gpu_memory, offloaded_activations
+from shardtune.plan.memory import GIB, INSIDE_RECOMPUTE, activations, gpu_memory, offloaded_activations
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import model_shape
 from shardtune.plan.speed import OFFLOAD_EXPOSED, offload_seconds, step_time
@@ -73,16 +74,19 @@ def test_offload_keeps_the_loss_and_gradients_and_moves_the_block_inputs(checkpo
 
 
 # around: what checkpoint_in_compile auto takes with the offload (offload_test_model adds the hooks, not the setting)
-@pytest.mark.parametrize("where", ["false", "true"])  # selective under compile: refused (test_checkpoint_in_compile)
+@pytest.mark.parametrize("where", ["false", "true", "budget"])  # selective under compile: refused
 def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(where: str, without_inductor) -> None:
-    """Compiled blocks under full checkpointing, the checkpoint around them (false) or inside them (true): the
-    offload hooks see the blocks' inputs, saved by the checkpoint outside the
-    compiled code or by the compiled code itself (AOTAutograd saves its tensors through autograd too); two steps
-    give compile's own losses and gradients, and every block input moved. (Traced by Dynamo and AOTAutograd
-    without Inductor's code: the GPU test runs the offload with Inductor's.)"""
+    """Compiled blocks under full checkpointing, the checkpoint around them (false) or inside them (true), or
+    without checkpointing under a memory budget (what the partitioner keeps of each block): the offload hooks see
+    the blocks' inputs (and the budget's kept tensors), saved by the checkpoint outside the compiled code or by the
+    compiled code itself (AOTAutograd saves its tensors through autograd too); two steps give compile's own losses
+    and gradients, and every block input moved. (Traced by Dynamo and AOTAutograd without Inductor's code: the GPU
+    test runs the offload with Inductor's.)"""
     ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
-    overrides = ["parallel.activation_checkpointing=full", "parallel.compile=true",
-                 f"parallel.checkpoint_in_compile={where}"]
+    overrides = ["parallel.compile=true"] + (
+        ["parallel.activation_checkpointing=none", "parallel.activation_memory_budget=0.3"] if where == "budget" else
+        ["parallel.activation_checkpointing=full", f"parallel.checkpoint_in_compile={where}"])
+    check_combination(load_config(TINY, [*overrides, "parallel.activation_offload=true"]))
     assert checkpoint_traced(load_config(TINY, overrides).parallel) == (where == "true")
     results, inputs, moved = [], [], []
     for offload in (False, True):
@@ -102,7 +106,8 @@ def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(where: str,
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
     assert set(inputs) <= {t.untyped_storage().data_ptr() for t in moved}  # both steps' block inputs
-    assert hooks.moved_bytes >= 2 * len(blocks) * ids.numel() * model.config.hidden_size * 4
+    inputs_bytes = 2 * len(blocks) * ids.numel() * model.config.hidden_size * 4
+    assert hooks.moved_bytes >= inputs_bytes * (2 if where == "budget" else 1)  # more than the inputs are kept
 
 
 def test_small_tensors_and_the_default_threshold_stay() -> None:
@@ -222,13 +227,28 @@ def test_the_planner_prices_the_offload_with_the_checkpoint_inside_or_around() -
     assert more == pytest.approx(INSIDE_RECOMPUTE * 2 * shape.ffn * tokens, rel=1e-6)
 
 
+def test_the_planner_brings_a_blocks_offloaded_activations_back_in_backward() -> None:
+    """Without checkpointing (compiled blocks under a memory budget) the offload moves what the budget keeps; in
+    backward each block's comes back beside what it recomputes, with up to BACK_BYTES copied back ahead: the
+    GPU's share at the backward's end. Under full checkpointing the terms stay those the rows were fitted on."""
+    shape = model_shape(preset_config("llama-3-8b"))
+    kept = Setting(peft="lora", micro_batch_size=2, seq_len=2048, fused_loss=True, compile=True,
+                   activation_checkpointing="none", memory_budget=0.3)
+    moved = Setting(**{**kept.__dict__, "activation_offload": True})
+    saved, recompute = activations(shape, kept)
+    assert offloaded_activations(shape, moved) == saved
+    assert memory_mod.OFFLOAD_BACK_BYTES == prepare.BACK_BYTES
+    back = gpu_memory(shape, moved)
+    assert back.phase == "backward end"
+    assert back.terms["activations"] == pytest.approx(recompute + saved / shape.layers + prepare.BACK_BYTES)
+    assert gpu_memory(shape, kept).allocated - back.allocated > 3 * GIB  # 4.4 GiB of kept tensors on the host
+    full = Setting(**{**moved.__dict__, "activation_checkpointing": "full", "memory_budget": None})
+    assert memory_mod.offload_returned(shape, full) == 0.0
+
+
 def test_offload_is_refused_where_it_does_not_run() -> None:
     with pytest.raises(ShardtuneError, match=r"activation_offload: true runs on parallel\.backend=fsdp2"):
         check_combination(load_config(TINY, ["parallel.backend=deepspeed", "parallel.activation_offload=true"]))
-    with pytest.raises(ShardtuneError, match=r"needs activation checkpointing .* set "
-                                             r"parallel\.activation_checkpointing=full, or parallel\.compile=false"):
-        check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_offload=true",
-                                             "parallel.activation_checkpointing=none"]))
     check_combination(load_config(TINY, ["parallel.compile=true", "parallel.activation_offload=true",
                                          "parallel.activation_checkpointing=full"]))
     with pytest.raises(ShardtuneError, match=r"set parallel\.strategy=zero2 or zero3"):

@@ -125,13 +125,6 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError("parallel.one_gpu: direct computes with the frozen base as it is stored, and "
                              "peft.base_dtype: fp32 stores it in fp32 (FSDP2 casts it per use); set "
                              "peft.base_dtype=auto, or parallel.one_gpu=fsdp2")
-    if p.activation_offload and p.compile and p.activation_checkpointing == "none":
-        # With checkpointing the hooks see only what the checkpoint saves, the blocks' inputs, outside the
-        # compiled code; without it they would run inside the compiled blocks, which Dynamo does not trace.
-        budget = " (and remove parallel.activation_memory_budget)" if p.activation_memory_budget is not None else ""
-        raise ShardtuneError("parallel.activation_offload: true with parallel.compile: true needs activation "
-                             "checkpointing (the offload hooks would run inside the compiled blocks); set "
-                             f"parallel.activation_checkpointing=full{budget}, or parallel.compile=false")
 
 
 def may_run_direct(cfg: Config, world: int | None) -> bool:

@@ -82,6 +82,10 @@ COMPILED_RECOMPUTE = 3.6
 # 8B LoRA float8 0.36 (calls 79-80; 0.57 at 8,192, priced 0.77: the side where a plan errs toward not fitting).
 # Counted for selective under compile too (traced there; not measured: the larger guess).
 INSIDE_RECOMPUTE = 3.5
+# Bytes of parallel.activation_offload's copies back the host may queue ahead of the GPU in backward
+# (parallel/prepare.py BACK_BYTES): without checkpointing they are each block's activations, on the GPU again
+# beside the block whose backward runs.
+OFFLOAD_BACK_BYTES = float(1 << 30)
 # A compiled QLoRA block's backward holds compute-dtype copies of its NF4 weights, about the MLP's three (h x f
 # each): 8B QLoRA with compiled blocks peaked 0.29-0.35 GiB above the count without them in every row on record
 # (calls 26-104, H200 and H100, around and inside, the table on the GPU or the host, 4,096 and 131,072 tokens),
@@ -231,6 +235,16 @@ def offloaded_activations(m: ModelShape, s: Setting) -> float:
     return float(m.layers * s.compute_bytes * m.hidden * s.tokens)
 
 
+def offload_returned(m: ModelShape, s: Setting) -> float:
+    """Bytes of offloaded activations back on the GPU in backward without checkpointing: the block's whose
+    backward runs and up to OFFLOAD_BACK_BYTES copied back ahead of it. (Under checkpointing what comes back is
+    one block input at a time, inside what the rows the checkpoint's terms were fitted on measured.)"""
+    if not s.activation_offload or s.activation_checkpointing != "none":
+        return 0.0
+    moved = offloaded_activations(m, s)
+    return min(moved, moved / m.layers + OFFLOAD_BACK_BYTES)
+
+
 def final_norm_bytes(m: ModelShape, s: Setting) -> float:
     """What the decoder's final RMSNorm saves: its fp32 upcast and normalised input, (4 + p)h per token. It runs
     inside the decoder's forward, so parallel.activation_offload moves it to the host too, where the pinned
@@ -376,6 +390,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     states = model_states(m, s)
     saved, recompute = activations(m, s)
     saved -= offloaded_activations(m, s)
+    returned = offload_returned(m, s)
     gathered = gathered_parameters(m, s)
     transient = backward_transient(m, s)
     offloaded = _offloaded(states, s)
@@ -395,10 +410,10 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     phases = {
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved, "logits": logits,
                         "buffers": buffers},
-        "backward start": {**first, "gathered_parameters": gathered, "activations": saved + recompute,
+        "backward start": {**first, "gathered_parameters": gathered, "activations": saved + recompute + returned,
                            "backward_transient": transient, "buffers": buffers},
         "backward end": {**in_backward, "gathered_parameters": gathered,
-                         "activations": recompute or saved / m.layers, "backward_transient": transient,
+                         "activations": (recompute or saved / m.layers) + returned, "backward_transient": transient,
                          "buffers": buffers},
         "optimizer": dict(on_gpu),
     }

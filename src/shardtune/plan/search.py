@@ -89,10 +89,12 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
         for strategy, offload in itertools.product(declared["parallel.strategy"], declared["parallel.offload"]):
             if strategy == "hsdp" and base.nnodes == 1:
                 continue  # on one node hsdp is zero3
+            if moved and base.compile and ac == "none":
+                continue  # the offload of what compiled blocks keep without a checkpoint: not measured, asked only
             s = base.replace(backend=backend, strategy=strategy, offload=offload, activation_checkpointing=ac,
                              memory_budget=budget, activation_offload=moved, micro_batch_size=mb,
                              nvme=base.nvme and offload != "none")
-            key = (backend, strategy, offload, moved, ac, budget)  # offload with compile needs a checkpoint
+            key = (backend, strategy, offload, moved, ac, budget)
             if key not in why:
                 why[key] = supported(s) or ""
             if why[key]:

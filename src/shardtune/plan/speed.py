@@ -154,6 +154,11 @@ def attention_flops_per_token(m: ModelShape, s: Setting) -> tuple[float, float]:
     return counted, counted * (1.0 if s.attn == "eager" else CAUSAL_SHARE)
 
 
+def forward_share(m: ModelShape, s: Setting) -> float:
+    """The forward's share of train_flops_per_token: 2 FLOPs per weight and 4·L·h·s of attention."""
+    return (2.0 * m.matmul_params + 4.0 * m.layers * m.hidden * s.seq_len) / train_flops_per_token(m, s)
+
+
 def model_flops_per_token(m: ModelShape, s: Setting) -> float:
     """FLOPs per token as MFU counts them (no recompute): what metrics/flops.py logs."""
     from shardtune.metrics.flops import flops_per_token
@@ -266,11 +271,14 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any, compute: float) -> float
     parameters come back over PCIe, and the node's CPU runs AdamW over the node's partitions (ranks on a
     node share its cores); NVMe adds reading and writing the states (not modelled beyond the host rate).
     parallel.activation_offload copies the offloaded activations out in forward and back in backward, once per
-    micro-batch, on a side stream: exposed where they outlast `compute` (the step's compute seconds), and
-    OFFLOAD_EXPOSED of them always (torch's save_on_cpu, which blocks, cost the 8 blocks of the 8B 3.3% at 16,384
-    tokens where the side stream cost nothing measurable)."""
-    copies = 2 * offloaded_activations(m, s) * s.grad_accum / hw.h2d_bytes_per_s
-    activations = max(copies - compute, 0.0) + OFFLOAD_EXPOSED * copies
+    micro-batch, on a side stream: the copies out exposed where they outlast the forward's share of `compute`
+    (the step's compute seconds), those back where they outlast the rest, and OFFLOAD_EXPOSED of them always
+    (torch's save_on_cpu, which blocks, cost the 8 blocks of the 8B 3.3% at 16,384 tokens where the side stream
+    cost nothing measurable)."""
+    one_way = offloaded_activations(m, s) * s.grad_accum / hw.h2d_bytes_per_s
+    forward = compute * forward_share(m, s)
+    activations = (max(one_way - forward, 0.0) + max(one_way - (compute - forward), 0.0)
+                   + OFFLOAD_EXPOSED * 2 * one_way)
     if s.embedding_on_host(m):  # peft.offload_embedding: each micro-batch's rows copied in, queued on the stream
         activations += s.tokens * m.hidden * s.frozen_bytes * s.grad_accum / hw.h2d_bytes_per_s
     if s.offload == "none":
