@@ -21,7 +21,7 @@ from shardtune.plan.hardware import lookup
 from shardtune.plan.memory import GIB, INSIDE_RECOMPUTE, activations, gpu_memory, offloaded_activations
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import model_shape
-from shardtune.plan.speed import OFFLOAD_EXPOSED, offload_seconds, step_time
+from shardtune.plan.speed import OFFLOAD_EXPOSED, forward_share, offload_seconds, step_time
 
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -244,6 +244,11 @@ def test_the_planner_brings_a_blocks_offloaded_activations_back_in_backward() ->
     assert gpu_memory(shape, kept).allocated - back.allocated > 3 * GIB  # 4.4 GiB of kept tensors on the host
     full = Setting(**{**moved.__dict__, "activation_checkpointing": "full", "memory_budget": None})
     assert memory_mod.offload_returned(shape, full) == 0.0
+    # the copies out run beside the forward only: past it they are exposed, though the step's compute is longer
+    h100 = lookup("h100")
+    one_way = saved / h100.h2d_bytes_per_s
+    compute = 0.9 * one_way / forward_share(shape, moved)  # the forward 0.9 of the copies out; the rest 1.3 back
+    assert offload_seconds(shape, moved, h100, compute) == pytest.approx((0.1 + 2 * OFFLOAD_EXPOSED) * one_way)
 
 
 def test_offload_is_refused_where_it_does_not_run() -> None:
