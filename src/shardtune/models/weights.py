@@ -170,6 +170,7 @@ def load_weights(model: nn.Module, source: WeightSource | None, device: torch.de
             loader.load_rows(param, rows)  # NF4: collective, quantizes this rank's rows with the whole weight's mean
         else:
             local.copy_(rows)
+        del rows  # before the next tensor's rows are made: one tensor's rows alive at a time (tests/gpu)
     assert_no_meta(model)
     for loader in _LOADERS.values():
         left = loader.unloaded(model)
