@@ -43,10 +43,12 @@ def _losses(cli, out, model, *extra: str) -> list[float]:
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_the_embedding_on_the_host_trains_as_on_the_device(cli, untied, tmp_path, method) -> None:
+def test_the_embedding_and_the_head_on_the_host_train_as_on_the_device(cli, untied, tmp_path, method) -> None:
+    """peft.offload_embedding and peft.offload_head together (one run, each also checked alone below and in
+    test_a_head_on_the_host_is_lent_to_each_forward): the same losses, evaluation's included."""
     peft = [f"peft.method={method}", "peft.r=4"]
     on_device = _losses(cli, tmp_path / "device", untied, *peft)
-    on_host = _losses(cli, tmp_path / "host", untied, *peft, "peft.offload_embedding=true")
+    on_host = _losses(cli, tmp_path / "host", untied, *peft, "peft.offload_embedding=true", "peft.offload_head=true")
     assert len(on_host) == len(on_device) >= 6  # 4 steps and 2 evaluations
     assert on_host == pytest.approx(on_device, rel=1e-6, abs=1e-7)
     # the adapters it saved are the trained ones, loadable as usual
@@ -144,3 +146,94 @@ def test_auto_takes_the_host_for_peft_on_a_gpu_and_leaves_an_embedding_that_cann
                 offload_embedding(model, torch.device("cpu"), required=True)
         else:
             assert isinstance(moved, HostEmbedding)
+
+
+def _tiny_causal_lm(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, tie_word_embeddings=tied))
+    return model.requires_grad_(False)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_head_on_the_host_is_lent_to_each_forward(fused: bool) -> None:
+    """peft.offload_head: the head lives on the host; each forward of the model copies it in once (the decoder's
+    inner calls do not), computes the same loss and gradients with it, and ends with the host's weight back in
+    the module (the GPU copy dropped: what a plain loss saved of it lives until its backward). With the fused
+    loss (models/liger.py's contract, in plain torch here) as Liger's path runs it."""
+    from shardtune.models.liger import install_fused_loss, reference_fused_loss
+    from shardtune.parallel.host_head import HostHead, offload_head
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for on_host in (False, True):
+        model = _tiny_causal_lm(tied=False)
+        model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)  # a gradient to compare
+        if fused:
+            install_fused_loss(model, reference_fused_loss)
+        host = offload_head(model, torch.device("cpu")) if on_host else None
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        runs.append((out.loss.detach(), model.model.layers[0].self_attn.q_proj.weight.grad))
+        if host is not None:
+            assert isinstance(host, HostHead) and host.fetches == 1 and host.lent is None
+            assert model.lm_head.weight is host.host  # back on the host between forwards
+            with torch.no_grad():
+                model(input_ids=ids)  # a forward without labels (evaluation, generation) borrows it too
+            assert host.fetches == 2 and model.lm_head.weight is host.host
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_a_head_that_cannot_go_is_refused_in_one_line(cli, tmp_path) -> None:
+    from shardtune.parallel import check_combination
+    from shardtune.parallel.host_head import offload_head
+
+    with pytest.raises(ShardtuneError, match="ties its LM head to the input embedding"):
+        offload_head(_tiny_causal_lm(tied=True), torch.device("cpu"))
+    trains = _tiny_causal_lm(tied=False)
+    trains.lm_head.weight.requires_grad_(True)
+    with pytest.raises(ShardtuneError, match="the LM head trains here"):
+        offload_head(trains, torch.device("cpu"))
+    for overrides, match in (
+            (["peft.method=none"], "peft.offload_head keeps a frozen LM head"),
+            (["peft.method=lora", "parallel.one_gpu=fsdp2"], "peft.offload_head keeps a frozen LM head"),
+            (["peft.method=lora", "parallel.backend=deepspeed"], "peft.offload_head is the FSDP2 backend's")):
+        cfg = load_config(TINY, ["train.precision=bf16", "peft.offload_head=true", *overrides])
+        with pytest.raises(ShardtuneError, match=match) as err:
+            check_combination(cfg)
+        assert "\n" not in str(err.value)
+    # the tiny preset ties its head to the embedding: refused before launch, in one line, exit 2
+    proc = cli("train", TINY, "peft.method=lora", "train.precision=bf16", "peft.offload_head=true",
+               "parallel.strategy=zero2", "train.max_steps=1", "--nproc", "1", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "peft.offload_head: this model ties its LM head" in proc.stderr, proc.stderr
+
+
+def test_the_planner_takes_the_head_out_of_backward_and_prices_its_copy_in() -> None:
+    """peft.offload_head on 8B LoRA (table 2's run: the direct path, compiled blocks, Liger's fused loss): the peak is
+    in backward, where the head is
+    on the host, so the peak drops by the head's bf16 bytes; the host holds them; each micro-batch's copy in is
+    priced as the activation offload's side-stream copies are (OFFLOAD_EXPOSED of it). A tied head (the 1B)
+    changes nothing."""
+    from shardtune.models.presets import preset_config
+    from shardtune.plan.hardware import lookup
+    from shardtune.plan.memory import gpu_memory
+    from shardtune.plan.setting import setting_from_config
+    from shardtune.plan.shape import model_shape
+    from shardtune.plan.speed import OFFLOAD_EXPOSED, step_time
+
+    h100 = lookup("h100")
+    for preset, untied in (("llama-3-8b", True), ("llama-3.2-1b", False)):
+        shape = model_shape(preset_config(preset))
+        table2 = ["peft.method=lora", "train.precision=bf16", "parallel.compile=true", "parallel.strategy=zero2",
+                  "train.seq_len=2048", "parallel.activation_checkpointing=full", "train.micro_batch_size=2"]
+        runs = [setting_from_config(load_config(TINY, [*table2, *extra]), 1, 1, liger=True)
+                for extra in ([], ["peft.offload_head=true"])]
+        on_gpu, on_host = (gpu_memory(shape, s) for s in runs)
+        head = shape.head_params * 2  # bf16
+        assert on_gpu.phase.startswith("backward") and on_host.phase.startswith("backward")
+        assert on_gpu.allocated - on_host.allocated == pytest.approx(head if untied else 0.0)
+        assert on_host.host.get("head", 0.0) == (head if untied else 0.0)
+        slower = step_time(shape, runs[1], h100).seconds - step_time(shape, runs[0], h100).seconds
+        assert slower == pytest.approx(OFFLOAD_EXPOSED * head / h100.h2d_bytes_per_s if untied else 0.0)

@@ -144,10 +144,15 @@ TIED_EMBEDDING = ("peft.offload_embedding: this model ties its input embedding t
 
 
 def check_offload_embedding(cfg: Config, hf_config: Any) -> None:
-    """peft.offload_embedding needs an input embedding of its own (not the LM head's): refused before launch from
-    the model's config (parallel/host_embedding.py checks the module itself too)."""
-    if cfg.peft.offload_embedding is True and getattr(hf_config, "tie_word_embeddings", False):
+    """peft.offload_embedding and peft.offload_head need an input embedding and an LM head of their own: refused
+    before launch from the model's config (parallel/host_embedding.py and host_head.py check the modules too)."""
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    if cfg.peft.offload_embedding is True and tied:
         raise ShardtuneError(TIED_EMBEDDING)
+    if cfg.peft.offload_head and tied:
+        from shardtune.parallel.host_head import TIED_HEAD
+
+        raise ShardtuneError(TIED_HEAD)
 
 
 def check_direct_only(cfg: Config, world: int) -> None:

@@ -1,8 +1,8 @@
 """parallel.one_gpu: direct — zero2 / zero3 on one process without FSDP2 (fsdp2.runs_direct): the model computes
 with compute-dtype copies of its trainable weights, the optimizer holds their fp32 masters. What only this path
 runs lives here: the update with clipping and the non-finite skip inside fused AdamW's kernel, optim.fused:
-compiled (compiled_adamw.py), peft.offload_embedding (host_embedding.py), and LoRA's matrices cast in their
-forward (CastLinear)."""
+compiled (compiled_adamw.py), peft.offload_embedding (host_embedding.py), peft.offload_head (host_head.py), and
+LoRA's matrices cast in their forward (CastLinear)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from shardtune.parallel.base import LossFn, OptimizerFactory
 from shardtune.parallel.compiled_adamw import CompiledAdamW
 from shardtune.parallel.fsdp2_engine import FSDP2Backend
 from shardtune.parallel.host_embedding import HostEmbedding, offload_embedding
+from shardtune.parallel.host_head import HostHead, offload_head
 
 if TYPE_CHECKING:
     from shardtune.data import Batch
@@ -30,7 +31,7 @@ class DirectBackend(FSDP2Backend):
 
     def __init__(self, parallel: ParallelConfig, precision: str, ctx: DistContext, loss: LossFn,
                  max_grad_norm: float, *, compiled_update: bool = False,
-                 offload_embedding: bool | str = False) -> None:
+                 offload_embedding: bool | str = False, offload_head: bool = False) -> None:
         super().__init__(parallel, precision, ctx, loss, max_grad_norm)
         # (owner module, attribute, compute-dtype parameter, fp32 master) per place a trainable weight sits (a
         # tied weight sits in two); the optimizer holds the masters
@@ -46,6 +47,8 @@ class DirectBackend(FSDP2Backend):
         self.grads_stay = False
         self.wants_host_embedding = offload_embedding  # peft.offload_embedding: true, "auto" or false
         self.host_embedding: HostEmbedding | None = None
+        self.wants_host_head = offload_head  # peft.offload_head
+        self.host_head: HostHead | None = None
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -70,6 +73,8 @@ class DirectBackend(FSDP2Backend):
         if self.wants_host_embedding:
             self.host_embedding = offload_embedding(model, self.ctx.device,
                                                     required=self.wants_host_embedding is True)
+        if self.wants_host_head:
+            self.host_head = offload_head(model, self.ctx.device)
         cast_adapters_in_forward(model, self.compute_dtype)
         seen: dict[int, nn.Parameter] = {}
         for owner in model.modules():

@@ -138,7 +138,7 @@ def may_run_direct(cfg: Config, world: int | None) -> bool:
 
 def check_direct_only(cfg: Config, world: int | None) -> None:
     """The settings only the one-GPU direct path runs: optim.fused: compiled (its update) and
-    peft.offload_embedding (a frozen table on the host), refused in one line elsewhere."""
+    peft.offload_embedding and peft.offload_head (frozen weights on the host), refused in one line elsewhere."""
     if cfg.optim.fused == "compiled" and (cfg.optim.name != "adamw" or cfg.train.precision == "fp16"
                                           or not may_run_direct(cfg, world)):
         raise ShardtuneError("optim.fused: compiled is the update of the one-GPU direct path (one process, "
@@ -148,6 +148,10 @@ def check_direct_only(cfg: Config, world: int | None) -> None:
         raise ShardtuneError("peft.offload_embedding keeps a frozen input embedding on the host on the one-GPU "
                              "direct path (LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, "
                              "parallel.one_gpu auto or direct); set peft.offload_embedding=false")
+    if cfg.peft.offload_head and (cfg.peft.method == "none" or not may_run_direct(cfg, world)):
+        raise ShardtuneError("peft.offload_head keeps a frozen LM head on the host on the one-GPU direct path "
+                             "(LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, parallel.one_gpu auto or "
+                             "direct); set peft.offload_head=false")
 
 
 def describe(cfg: Config, world: int, *, per_node: int | None = None) -> str:
@@ -187,7 +191,7 @@ def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
 
     on_gpu = ctx.device.type == "cuda"
     return DirectBackend(*args, compiled_update=takes_compiled_update(cfg, on_gpu=on_gpu),
-                         offload_embedding=embedding_to_host(cfg, on_gpu=on_gpu))
+                         offload_embedding=embedding_to_host(cfg, on_gpu=on_gpu), offload_head=cfg.peft.offload_head)
 
 
 def embedding_to_host(cfg: Config, *, on_gpu: bool = True) -> bool | str:

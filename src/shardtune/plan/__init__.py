@@ -102,6 +102,8 @@ def describe(s: Setting) -> str:
         parts.append("frozen base whole on each GPU")
     if s.embedding_offloaded:
         parts.append("input embedding in host memory")
+    if s.head_offloaded:
+        parts.append("LM head in host memory")
     if s.one_gpu_direct:
         parts.append("without FSDP2 (one_gpu direct)" + (", the compiled update" if s.compiled_update_runs else ""))
     parts.append(f"micro-batch {s.micro_batch_size}")

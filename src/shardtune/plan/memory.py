@@ -407,15 +407,19 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     # every gradient with the first block's activations (kept, or recomputed under checkpointing).
     first = {**base, "gradients": in_backward.get("gradients", 0.0) * _first_gradients_share(m, s)} \
         if "gradients" in in_backward and not grads_in_forward else dict(in_backward)
+    # peft.offload_head: the head is on the GPU from a forward's start to its loss (Liger's fused loss), or to its
+    # own backward, the first to run (a plain loss saves it for that)
+    lent = host_head_bytes(m, s)
     phases = {
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved, "logits": logits,
                         "buffers": buffers},
-        "backward start": {**first, "gathered_parameters": gathered, "activations": saved + recompute + returned,
-                           "backward_transient": transient, "buffers": buffers},
-        "backward end": {**in_backward, "gathered_parameters": gathered,
+        "backward start": {**_less_parameters(first, lent if s.fused_loss_runs else 0.0), "gathered_parameters":
+                           gathered, "activations": saved + recompute + returned, "backward_transient": transient,
+                           "buffers": buffers},
+        "backward end": {**_less_parameters(in_backward, lent), "gathered_parameters": gathered,
                          "activations": (recompute or saved / m.layers) + returned, "backward_transient": transient,
                          "buffers": buffers},
-        "optimizer": dict(on_gpu),
+        "optimizer": _less_parameters(on_gpu, lent),
     }
     # (peft.base_dtype: float8 loads each adapted weight in the compute dtype and keeps its cast: one weight's
     # compute-dtype copy at a time, under 0.2 GiB on the 8B shape, before any activation exists.)
@@ -432,6 +436,16 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     context = CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0.0) + (COMPILE_WORKSPACE if s.compile else 0.0)
     return Memory(terms=terms, phase=phase, allocated=allocated, reserved=reserved, total=reserved + context,
                   host=host_memory(m, s, states, offloaded))
+
+
+def host_head_bytes(m: ModelShape, s: Setting) -> float:
+    """Bytes of the frozen LM head peft.offload_head keeps on the host between forwards (on the direct path: whole)."""
+    return float(m.head_params * s.frozen_bytes) if s.head_on_host(m) else 0.0
+
+
+def _less_parameters(states: dict[str, float], lent: float) -> dict[str, float]:
+    """`states` without `lent` bytes of parameters (a weight on the host in this phase)."""
+    return {**states, "parameters": states["parameters"] - lent} if lent else dict(states)
 
 
 def _offloaded(states: dict[str, float], s: Setting) -> set[str]:
@@ -459,6 +473,8 @@ def host_memory(m: ModelShape, s: Setting, states: dict[str, float], offloaded: 
         host["offload"] = min(moved, 2 * 5e8 * 4 * s.per_node) if s.nvme else moved
     if s.embedding_on_host(m):  # peft.offload_embedding's table, pageable, in each process
         host["embedding"] = m.embed_params * s.frozen_bytes * s.per_node
+    if s.head_on_host(m):  # peft.offload_head's pinned copy, in each process
+        host["head"] = host_head_bytes(m, s) * s.per_node
     if s.activation_offload:  # pinned copies of one micro-batch's
         host["activations"] = (offloaded_activations(m, s) + final_norm_bytes(m, s)) * s.per_node
     if s.async_checkpoint:

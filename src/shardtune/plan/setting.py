@@ -53,6 +53,7 @@ class Setting:
     optim: str = "adamw"
     compiled_update: bool = False  # optim.fused: compiled, or auto where it takes it (compiled_update_runs: applies)
     offload_embedding: bool = True  # peft.offload_embedding true or auto (embedding_on_host: whether it applies)
+    offload_head: bool = False  # peft.offload_head (head_on_host: whether it applies)
     attn: str = "sdpa"
     packing: bool = False
     async_checkpoint: bool = False
@@ -161,6 +162,15 @@ class Setting:
         return self.embedding_offloaded and m.head_params > 0
 
     @property
+    def head_offloaded(self) -> bool:
+        """peft.offload_head runs here: PEFT on the one-GPU direct path (head_on_host checks the model's head)."""
+        return self.offload_head and self.peft != "none" and self.one_gpu_direct
+
+    def head_on_host(self, m: ModelShape) -> bool:
+        """The frozen LM head lives on the host between forwards (head_offloaded, a head of its own)."""
+        return self.head_offloaded and m.head_params > 0
+
+    @property
     def bf16_gradients_updated(self) -> bool:
         """The compiled update reads full fine-tuning's bf16 / fp16 gradients as autograd made them (one
         micro-batch a step): no fp32 gradient copy, and no cast of each gradient in backward."""
@@ -243,6 +253,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
         compiled_update=takes_compiled_update(cfg), offload_embedding=host_embedding_asked(cfg.peft.offload_embedding),
+        offload_head=cfg.peft.offload_head,
         attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),

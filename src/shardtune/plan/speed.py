@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.plan.memory import NF4_BYTES, keeps_dequantised, offloaded_activations
+from shardtune.plan.memory import NF4_BYTES, host_head_bytes, keeps_dequantised, offloaded_activations
 from shardtune.plan.setting import Setting
 from shardtune.plan.shape import ModelShape
 
@@ -281,6 +281,9 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any, compute: float) -> float
                    + OFFLOAD_EXPOSED * 2 * one_way)
     if s.embedding_on_host(m):  # peft.offload_embedding: each micro-batch's rows copied in, queued on the stream
         activations += s.tokens * m.hidden * s.frozen_bytes * s.grad_accum / hw.h2d_bytes_per_s
+    if s.head_on_host(m):  # peft.offload_head: each forward's copy in on the side stream, as the offload's copies
+        head = host_head_bytes(m, s) / hw.h2d_bytes_per_s
+        activations += (max(head - forward / s.grad_accum, 0.0) + OFFLOAD_EXPOSED * head) * s.grad_accum
     if s.offload == "none":
         return activations
     trainable = m.params if s.peft == "none" else m.lora_params
