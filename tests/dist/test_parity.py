@@ -15,9 +15,10 @@ pytestmark = pytest.mark.dist
 
 # zero3:ac:compile: the checkpoint inside each compiled block (checkpoint_in_compile: auto); :around, FSDP2's
 # hooks outside the checkpoint around each compiled block; zero3:compile:budget, compile's partitioner recomputing
-# under parallel.activation_memory_budget 0.3
+# under parallel.activation_memory_budget 0.3; :actoff, the saved activations kept in host memory on each rank
+# (parallel.activation_offload: the checkpoint's block inputs, and what the budget keeps of each compiled block)
 FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile", "zero3:ac:compile:around",
-        "zero3:compile:budget", "zero3:dir"]
+        "zero3:compile:budget", "zero3:ac:actoff", "zero3:compile:budget:actoff", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
 LORA = ["ddp:lora", "zero2:lora", "zero3:lora"]
@@ -51,6 +52,14 @@ def test_fp32_trajectory_matches_unsharded(results, variant):
     assert two[variant]["world"] == 2 and ref["world"] == 1
     assert_same_gradients(ref, two[variant])
     assert ref["losses"][-1] < ref["losses"][0]  # it trains
+
+
+def test_the_activation_offload_moved_the_ranks_activations(results):
+    """The offload variants' parity above is not the offload idling: rank 0 moved its saved activations to the host
+    (the block inputs under the checkpoint; what the budget keeps of each compiled block, more)."""
+    _, two = results
+    checkpointed, budget = (two[v]["offloaded_bytes"] for v in ("zero3:ac:actoff", "zero3:compile:budget:actoff"))
+    assert 0 < checkpointed < budget
 
 
 def test_hsdp_matches_unsharded_and_shards_within_groups(results):

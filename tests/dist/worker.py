@@ -54,6 +54,7 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "ac": "parallel.activation_checkpointing=full", "compile": "parallel.compile=true",
            "around": "parallel.checkpoint_in_compile=false",
            "budget": "parallel.activation_memory_budget=0.3",
+           "actoff": "parallel.activation_offload=true",
            "packed": "data.packing=true train.seq_len=64",
            "lora": "peft.method=lora peft.r=8 peft.alpha=16",
            "qlora": "peft.method=qlora peft.r=8 peft.alpha=16",
@@ -224,6 +225,29 @@ def compile_backend(backend: str | None) -> Iterator[None]:
         torch.compile = original
 
 
+@contextlib.contextmanager
+def offload_all(on: bool) -> Iterator[list]:
+    """parallel.activation_offload moving every saved activation (micro-llama's are all under the 1 MiB floor a run
+    keeps on the device); yields the list the run's ActivationOffload objects join, for their moved_bytes."""
+    from shardtune.parallel import prepare
+
+    made: list = []
+    if not on:
+        yield made
+        return
+    original = prepare.offload_activations
+
+    def everything(*args, **kwargs):
+        made.append(original(*args, **{**kwargs, "min_bytes": 0}))
+        return made[-1]
+
+    prepare.offload_activations = everything
+    try:
+        yield made
+    finally:
+        prepare.offload_activations = original
+
+
 def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -362,7 +386,7 @@ def main() -> None:
         probe, graphs = Probe(), compiled_graphs()
         PROBES.clear()
         try:
-            with compile_backend("aot_eager" if "aot" in opts else None):
+            with compile_backend("aot_eager" if "aot" in opts else None), offload_all("actoff" in opts) as offloads:
                 result = run_training(config_from_dict(BASE, overrides), ctx)
         finally:
             probe.close()
@@ -379,7 +403,8 @@ def main() -> None:
                             "world": ctx.world, "ds_fraction": deepspeed_partition_fraction(backend.module),
                             "dtypes": param_dtypes(backend.module), "comm": summary["comm"],
                             "numel": model_numel(backend.module), "logged": logged_fields(summary["output_dir"]),
-                            "output_dir": summary["output_dir"], "load": loads}
+                            "output_dir": summary["output_dir"], "load": loads,
+                            "offloaded_bytes": sum(o.moved_bytes for o in offloads)}
         if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
             from safetensors.torch import load_file
 
