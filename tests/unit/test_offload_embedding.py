@@ -32,14 +32,15 @@ def untied(tmp_path_factory):
     return folder
 
 
-def _losses(cli, out, model, *extra: str) -> list[float]:
+def _losses(cli, out, model, *extra: str) -> tuple[list[float], str]:
     proc = cli("train", TINY, f"model.path={model}", "model.preset=null", "train.precision=bf16",
                "parallel.strategy=zero2", "parallel.one_gpu=direct", "train.max_steps=4", "log.every=1",
                "train.lr=0.003", "train.eval_every=2", "train.eval_batches=2", "--nproc", "1", "--output-dir",
                str(out), *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r.get("loss", r.get("eval_loss")) for r in records if "loss" in r or "eval_loss" in r]  # both
+    losses = [r.get("loss", r.get("eval_loss")) for r in records if "loss" in r or "eval_loss" in r]  # both
+    return losses, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
@@ -47,8 +48,11 @@ def test_the_embedding_and_the_head_on_the_host_train_as_on_the_device(cli, unti
     """peft.offload_embedding and peft.offload_head together (one run, each also checked alone below and in
     test_a_head_on_the_host_is_lent_to_each_forward): the same losses, evaluation's included."""
     peft = [f"peft.method={method}", "peft.r=4"]
-    on_device = _losses(cli, tmp_path / "device", untied, *peft)
-    on_host = _losses(cli, tmp_path / "host", untied, *peft, "peft.offload_embedding=true", "peft.offload_head=true")
+    on_device, said = _losses(cli, tmp_path / "device", untied, *peft)
+    on_host, said_host = _losses(cli, tmp_path / "host", untied, *peft, "peft.offload_embedding=true",
+                                 "peft.offload_head=true")
+    assert "host memory:" not in said  # each set false off a GPU (auto keeps both on a CPU run's device)
+    assert "host memory: the input embedding (0.2 MiB) and the LM head (0.2 MiB)" in said_host  # both went
     assert len(on_host) == len(on_device) >= 6  # 4 steps and 2 evaluations
     assert on_host == pytest.approx(on_device, rel=1e-6, abs=1e-7)
     # the adapters it saved are the trained ones, loadable as usual

@@ -59,6 +59,14 @@ class DirectBackend(FSDP2Backend):
         if self.wants_compiled_update and self.scaler is None:
             self.compiled_update = CompiledAdamW(self.optimizer, {id(m): c for c, m in self.pairs})
 
+    def frozen_on_host(self) -> str:
+        """The start line naming the frozen weights peft.offload_embedding / peft.offload_head keep on the host ("":
+        none)."""
+        holders = {"input embedding": self.host_embedding, "LM head": self.host_head}
+        parts = [f"the {name} ({h.module.weight.nbytes / 2**20:,.1f} MiB)" for name, h in holders.items()
+                 if h is not None]
+        return f"host memory: {' and '.join(parts)} (peft.offload_embedding / offload_head)" if parts else ""
+
     def _trained(self, param: nn.Parameter) -> nn.Parameter:
         return self.masters.get(id(param), param)
 

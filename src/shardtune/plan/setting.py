@@ -224,7 +224,8 @@ class Setting:
                 "activation_checkpointing": self.activation_checkpointing,
                 "memory_budget": self.memory_budget if self.budget_applies else None,  # as its config says it
                 "activation_offload": self.activation_offload, "shard_frozen": self.shard_frozen,
-                "offload_embedding": self.embedding_offloaded, "micro_batch_size": self.micro_batch_size,
+                "offload_embedding": self.embedding_offloaded, "offload_head": self.head_offloaded,
+                "micro_batch_size": self.micro_batch_size,
                 "checkpoint_in_compile": self.checkpoint_in_compile}
 
 

@@ -398,6 +398,8 @@ def _print_start(run: Run) -> None:
               f"{run.ctx.world} x {run.ctx.device.type}, {run.total_steps} steps of {run.sampler.global_batch} "
               "sequences")
     log.print(data_line(run.data))
+    if host := getattr(run.backend, "frozen_on_host", lambda: "")():  # the direct path's peft.offload_*
+        log.print(host)
     if skipped := skipped_line(run.data.reports):  # as validate reports them: a skip is never silent
         log.print(skipped)
     t, world = cfg.train, run.ctx.world
