@@ -161,6 +161,12 @@ class ParallelConfig(_Section):
         "none", description="full: each decoder block keeps its input and runs again in backward; selective: it keeps "
                             "its attention output and every other matmul output and recomputes the rest (torchtitan's "
                             "per-op selective checkpointing).")
+    checkpoint_blocks: int | None = Field(
+        None, ge=0, description="With activation_checkpointing full: checkpoint only the first N decoder blocks; the "
+                                "others keep their activations for backward and are not run again (Megatron's "
+                                "recompute_method block with recompute_num_layers N): each block left out saves "
+                                "its recompute, for its activations' memory (the planner prices both). Unset: "
+                                "every block. Not with activation_offload.")
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode for each block (with parallel.compile): reduce-overhead adds "
@@ -255,6 +261,12 @@ class ParallelConfig(_Section):
                 raise ValueError("set parallel.activation_memory_budget or parallel.activation_checkpointing, not "
                                  "both (the budget decides what each block recomputes; checkpointing decides it "
                                  "by itself)")
+        if self.checkpoint_blocks is not None and self.activation_checkpointing != "full":
+            raise ValueError("parallel.checkpoint_blocks needs parallel.activation_checkpointing=full (it says how "
+                             "many blocks full checkpointing takes)")
+        if self.checkpoint_blocks is not None and self.activation_offload:
+            raise ValueError("parallel.checkpoint_blocks is not with parallel.activation_offload yet (the blocks "
+                             "left out would copy all their activations to the host); unset one of them")
         if self.checkpoint_in_compile is True and not self.compile:
             raise ValueError("parallel.checkpoint_in_compile needs parallel.compile=true (it checkpoints inside "
                              "the compiled blocks)")

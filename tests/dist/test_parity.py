@@ -16,9 +16,11 @@ pytestmark = pytest.mark.dist
 # zero3:ac:compile: the checkpoint inside each compiled block (checkpoint_in_compile: auto); :around, FSDP2's
 # hooks outside the checkpoint around each compiled block; zero3:compile:budget, compile's partitioner recomputing
 # under parallel.activation_memory_budget 0.3; :actoff, the saved activations kept in host memory on each rank
-# (parallel.activation_offload: the checkpoint's block inputs, and what the budget keeps of each compiled block)
+# (parallel.activation_offload: the checkpoint's block inputs, and what the budget keeps of each compiled block);
+# :cb1, full checkpointing of the first block only (parallel.checkpoint_blocks=1), eager and inside compiled blocks
 FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile", "zero3:ac:compile:around",
-        "zero3:compile:budget", "zero3:ac:actoff", "zero3:compile:budget:actoff", "zero3:dir"]
+        "zero3:compile:budget", "zero3:ac:actoff", "zero3:compile:budget:actoff", "zero3:ac:cb1",
+        "zero3:ac:compile:cb1:aot", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
 LORA = ["ddp:lora", "zero2:lora", "zero3:lora"]
@@ -248,6 +250,7 @@ def test_activation_checkpointing_recomputes_every_block(results):
     two = results[1]
     assert two["zero3"]["mlp_calls"] == LAYERS * STEPS * ACCUM  # one forward per block per micro-batch
     assert two["zero3:ac"]["mlp_calls"] == 2 * LAYERS * STEPS * ACCUM  # and the recompute in the backward
+    assert LAYERS > 1 and two["zero3:ac:cb1"]["mlp_calls"] == (LAYERS + 1) * STEPS * ACCUM  # the first block's only
 
 
 def test_compile_produces_compiled_graphs(results):

@@ -279,13 +279,13 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
 def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
                            device_type: str = "cpu") -> ActivationOffload | None:
     """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned).
-    Every block is checkpointed here as CheckpointedForward, the same way on every transformers release and
-    whether compiled or not (transformers' own per-block checkpointing wraps `__call__` up to 5.18, its hooks inside
-    the checkpoint, and `forward` in newer ones, 5.25): eager, around the block's forward; compiled, around the
-    compiled forward (the recompute runs it again from Python: parallel.checkpoint_in_compile false, or auto with
-    activation offload) or inside it (the compiled backward recomputes; the default, and always for selective:
-    parallel.checkpoint_traced). The block's hooks (FSDP2's, DeepSpeed's) stay outside the checkpoint, as
-    torchtitan's checkpoint wrapper keeps them."""
+    Every block (the first parallel.checkpoint_blocks where set) is checkpointed here as CheckpointedForward, the
+    same way on every transformers release and whether compiled or not (transformers' own per-block checkpointing
+    wraps `__call__` up to 5.18, its hooks inside the checkpoint, and `forward` in newer ones, 5.25): eager, around
+    the block's forward; compiled, around the compiled forward (the recompute runs it again from Python:
+    parallel.checkpoint_in_compile false, or auto with activation offload) or inside it (the compiled backward
+    recomputes; the default, and always for selective: parallel.checkpoint_traced). The block's hooks (FSDP2's,
+    DeepSpeed's) stay outside the checkpoint, as torchtitan's checkpoint wrapper keeps them."""
     offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
     mode, traced = parallel.activation_checkpointing, checkpoint_traced(parallel)
     if parallel.compile:
@@ -296,10 +296,12 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     compiled_around = parallel.compile and mode != "none" and not traced
     if parallel.compile:
         one_graph_for_every_block(model)
-    for block in blocks:
-        if mode != "none":
+    last = len(blocks) if parallel.checkpoint_blocks is None else parallel.checkpoint_blocks
+    for index, block in enumerate(blocks):
+        checkpointed = mode != "none" and index < last  # parallel.checkpoint_blocks: the first N only
+        if checkpointed:
             block.forward = CheckpointedForward(block, kwargs, compile_kw if compiled_around else None)
-        if parallel.compile and not compiled_around:
+        if parallel.compile and not (checkpointed and compiled_around):
             block.compile(**compile_kw)
     return offload
 

@@ -94,6 +94,8 @@ def describe(s: Setting) -> str:
     else:
         parts.append("no checkpointing" if s.activation_checkpointing == "none" else
                      f"checkpointing {s.activation_checkpointing}")
+        if s.checkpoint_blocks is not None and s.activation_checkpointing == "full":
+            parts[-1] += f" of the first {s.checkpoint_blocks} blocks"
         if s.compile and s.activation_checkpointing == "full":
             parts[-1] += " inside the compiled blocks" if s.checkpoint_traced else " around the compiled blocks"
     if s.activation_offload:

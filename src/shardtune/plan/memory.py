@@ -168,17 +168,19 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
     """(saved through the whole forward, extra while one block is recomputed in backward), bytes.
 
     Without checkpointing every block keeps its activations. With full checkpointing each block keeps
-    only its input (p*h per token) and backward recomputes one block at a time; selective checkpointing keeps
+    only its input (p*h per token) and backward recomputes one block at a time (parallel.checkpoint_blocks: the
+    first N blocks; the others keep everything, as without checkpointing); selective checkpointing keeps
     the outputs of the attention kernel and of every other matmul (selective_bytes_per_token_layer) and
     recomputes the rest of one block at a time."""
     block_input = float(s.compute_bytes * m.hidden * s.tokens)
+    whole = activation_bytes_per_token_layer(m, s, kept=True) * s.tokens
     if s.activation_checkpointing != "none":
         recomputed = activation_bytes_per_token_layer(m, s) * s.tokens
         if s.activation_checkpointing == "full":
-            return m.layers * block_input, recomputed
+            taken = s.checkpointed_layers(m.layers)
+            return taken * block_input + (m.layers - taken) * whole, recomputed if taken else 0.0
         kept = selective_bytes_per_token_layer(m, s) * s.tokens
         return m.layers * kept, max(0.0, recomputed - kept)
-    whole = activation_bytes_per_token_layer(m, s, kept=True) * s.tokens
     if s.budget_applies:  # parallel.activation_memory_budget: between full checkpointing's and none's
         kept = block_input + budget_kept_share(s.memory_budget) * max(0.0, whole - block_input)
         return m.layers * kept + dequantised_kept(m, s), whole - kept
@@ -410,12 +412,16 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     # peft.offload_head: the head is on the GPU from a forward's start to its loss (Liger's fused loss), or to its
     # own backward, the first to run (a plain loss saves it for that)
     lent = host_head_bytes(m, s)
+    # parallel.checkpoint_blocks: the last block keeps its activations, so backward starts without a recompute
+    start_recompute, start_transient = recompute, transient
+    if s.activation_checkpointing == "full" and s.checkpointed_layers(m.layers) < m.layers:
+        start_recompute, start_transient = 0.0, backward_transient(m, s.replace(activation_checkpointing="none"))
     phases = {
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved, "logits": logits,
                         "buffers": buffers},
         "backward start": {**_less_parameters(first, lent if s.fused_loss_runs else 0.0), "gathered_parameters":
-                           gathered, "activations": saved + recompute + returned, "backward_transient": transient,
-                           "buffers": buffers},
+                           gathered, "activations": saved + start_recompute + returned,
+                           "backward_transient": start_transient, "buffers": buffers},
         "backward end": {**_less_parameters(in_backward, lent), "gathered_parameters": gathered,
                          "activations": (recompute or saved / m.layers) + returned, "backward_transient": transient,
                          "buffers": buffers},

@@ -37,6 +37,7 @@ class Setting:
     offload: str = "none"  # none | optimizer | params
     nvme: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
+    checkpoint_blocks: int | None = None  # parallel.checkpoint_blocks: full checkpointing of the first N blocks only
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
     checkpoint_in_compile: bool | str = "auto"  # parallel.checkpoint_in_compile as configured (checkpoint_traced)
     memory_budget: float | None = None  # parallel.activation_memory_budget (budget_recompute: its share here)
@@ -116,11 +117,20 @@ class Setting:
         """parallel.activation_memory_budget is set and runs here: compiled blocks, no checkpointing."""
         return self.memory_budget is not None and self.compile and self.activation_checkpointing == "none"
 
-    @property
-    def recompute_share(self) -> float:
-        """The share of each block's forward that backward runs again: all of it under full checkpointing,
-        budget_recompute under a memory budget, else none (selective checkpointing counts its own)."""
-        return 1.0 if self.activation_checkpointing == "full" else self.budget_recompute
+    def recompute_share(self, layers: int) -> float:
+        """The share of the `layers` blocks' forward that backward runs again: all of it under full checkpointing
+        (the first parallel.checkpoint_blocks blocks' where set), budget_recompute under a memory budget, else none
+        (selective checkpointing counts its own)."""
+        if self.activation_checkpointing == "full":
+            return self.checkpointed_layers(layers) / layers
+        return self.budget_recompute
+
+    def checkpointed_layers(self, layers: int) -> int:
+        """Blocks checkpointing takes: parallel.checkpoint_blocks of the `layers` (full checkpointing), else all
+        (none without checkpointing)."""
+        if self.activation_checkpointing == "none":
+            return 0
+        return layers if self.checkpoint_blocks is None else min(self.checkpoint_blocks, layers)
 
     @property
     def rules(self) -> Any:
@@ -246,6 +256,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
     return Setting(
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
+        checkpoint_blocks=p.checkpoint_blocks,
         activation_offload=p.activation_offload, checkpoint_in_compile=p.checkpoint_in_compile,
         memory_budget=p.activation_memory_budget,
         shard_frozen=not frozen_whole(p, world),

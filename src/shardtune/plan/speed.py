@@ -138,7 +138,7 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
     n = m.matmul_params
     attn = 12.0 * m.layers * m.hidden * s.seq_len
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
-    if share := s.recompute_share:  # full checkpointing: 1; a memory budget: its measured share
+    if share := s.recompute_share(m.layers):  # full checkpointing: 1 (N / L of N blocks); a budget: its share
         flops += share * (2.0 * m.layers * m.block_params + 4.0 * m.layers * m.hidden * s.seq_len)
         if s.recompute_compiled:
             flops -= share * 2.0 * m.layers * m.hidden * m.ffn
@@ -150,7 +150,7 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
 def attention_flops_per_token(m: ModelShape, s: Setting) -> tuple[float, float]:
     """(counted, run): the attention scores and values in train_flops_per_token (12·L·h·s, + 4·L·h·s when full
     checkpointing runs the forward again) and what the kernel runs of them (CAUSAL_SHARE unless eager)."""
-    counted = (12.0 + 4.0 * s.recompute_share) * m.layers * m.hidden * s.seq_len
+    counted = (12.0 + 4.0 * s.recompute_share(m.layers)) * m.layers * m.hidden * s.seq_len
     return counted, counted * (1.0 if s.attn == "eager" else CAUSAL_SHARE)
 
 
@@ -295,13 +295,15 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any, compute: float) -> float
     return pcie + adam + activations
 
 
-def weight_passes(s: Setting) -> float:
+def weight_passes(m: ModelShape, s: Setting) -> float:
     """Passes over each frozen weight per micro-batch: forward and backward, and the recompute's forward under
-    checkpointing (its share under parallel.activation_memory_budget)."""
-    return 2.0 + (1.0 if s.activation_checkpointing != "none" else s.budget_recompute)
+    checkpointing (the checkpointed blocks' share; its share under parallel.activation_memory_budget)."""
+    if s.activation_checkpointing == "none":
+        return 2.0 + s.budget_recompute
+    return 2.0 + s.checkpointed_layers(m.layers) / m.layers
 
 
-def dequant_passes(s: Setting) -> float:
+def dequant_passes(m: ModelShape, s: Setting) -> float:
     """Dequantisations of each NF4 weight per micro-batch. Eager (NF4Linear): weight_passes, its backward
     dequantising again. Compiled blocks: one per run of the block's forward graph and none more in backward. Under
     checkpointing inside the compiled block the recompute's dequantisation and backward's are one node
@@ -313,7 +315,7 @@ def dequant_passes(s: Setting) -> float:
     compiled 8B / 70B QLoRA rows on record were predicted 4.8% slow on average (mean error 5.6%); at these, 2.8%
     (4.3%), and the H100's inside rows -4.6..-6.2% (were -7.3..-8.9%)."""
     if not s.compile:
-        return weight_passes(s)
+        return weight_passes(m, s)
     return 1.0 if keeps_dequantised(s) else 2.0
 
 
@@ -322,13 +324,13 @@ def float8_saving(m: ModelShape, s: Setting, seconds_per_flop_token: float, hw: 
     gradients eager LoRA forms and drops, plus the per-pass casts a kept float8 base does not make;
     `seconds_per_flop_token` = tokens / bf16 rate."""
     frozen = s.peft != "none"
-    per_weight = (4.0 if frozen else 6.0) + 2.0 * s.recompute_share
+    per_weight = (4.0 if frozen else 6.0) + 2.0 * s.recompute_share(m.layers)
     linear = per_weight * m.layers * m.block_params * seconds_per_flop_token
     saving = linear * (1.0 - 1.0 / FLOAT8_SPEEDUP[(s.float8, "peft" if frozen else "full")])
     if frozen and not s.compile and not s.base_float8:  # its kept casts skip the weights' gradients
         saving -= 2.0 * m.layers * m.block_params * seconds_per_flop_token / FLOAT8_SPEEDUP[(s.float8, "peft")]
     if frozen and s.base_float8:
-        passes = weight_passes(s)
+        passes = weight_passes(m, s)
         saving += passes * s.grad_accum * m.target_params * FLOAT8_CAST_BYTES / hw.hbm_bytes_per_s
     return saving
 
@@ -347,7 +349,7 @@ def step_time(m: ModelShape, s: Setting, hw: Any) -> StepTime:
     if s.peft == "qlora":
         # Each NF4 weight is dequantised in each pass (dequant_passes) of every micro-batch: reads 4 bits and
         # writes the compute dtype.
-        passes = dequant_passes(s)
+        passes = dequant_passes(m, s)
         compute += passes * s.grad_accum * m.target_params * (NF4_BYTES + s.compute_bytes) / min(
             hw.bf16_flops * DEQUANT_BYTES_PER_FLOP, hw.hbm_bytes_per_s)
     trainable = m.params if s.peft == "none" else m.lora_params
