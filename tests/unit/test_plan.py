@@ -999,3 +999,18 @@ def test_checkpoint_blocks_is_refused_in_one_line_where_it_has_no_meaning() -> N
         with pytest.raises(ShardtuneError, match=match) as err:
             _cfg("parallel.checkpoint_blocks=2", *extra)
         assert "\n" not in str(err.value)
+
+
+def test_strategy_auto_keeps_checkpoint_blocks_where_full_checkpointing_runs() -> None:
+    """The search prices the config's parallel.checkpoint_blocks with full checkpointing only (none, selective and
+    the activation offload run without it), and writes a pick the config's own check accepts."""
+    given = ["model.preset=llama-3-8b", "peft.method=lora", "parallel.compile=true", "train.micro_batch_size=2",
+             "parallel.activation_checkpointing=full", "parallel.checkpoint_blocks=29", "parallel.strategy=auto"]
+    cfg = _cfg(*given)
+    resolved, plan = resolve_auto(cfg, preset_config("llama-3-8b"), lookup("h100"), world=1, per_node=1)
+    p = resolved.parallel
+    assert (p.checkpoint_blocks == 29) == (p.activation_checkpointing == "full" and not p.activation_offload)
+    assert {c.setting.checkpoint_blocks for c in plan.result.candidates
+            if c.setting.activation_checkpointing != "full" or c.setting.activation_offload} == {None}
+    assert any(c.setting.checkpoint_blocks == 29 for c in plan.result.candidates)
+    type(p).model_validate(p.model_dump())  # the pick as written passes the section's own checks

@@ -211,9 +211,11 @@ def config_for(cfg: Any, s: Setting) -> Any:
 
 def write_strategy(parallel: Any, s: Setting) -> None:
     """The knobs `parallel.strategy: auto` picks, written into `parallel` as the setting runs them."""
+    parallel.checkpoint_blocks = None  # first out, last in: the config's check refuses it beside none or the offload
     parallel.backend, parallel.strategy, parallel.offload = s.backend, s.strategy, s.offload
     parallel.activation_offload = s.activation_offload
     set_checkpointing(parallel, s)
+    parallel.checkpoint_blocks = s.checkpoint_blocks
     parallel.checkpoint_in_compile = s.checkpoint_in_compile
     _say_shard_frozen(parallel, s)
 

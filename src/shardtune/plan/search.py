@@ -95,8 +95,11 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
                 # (8B LoRA, budget 0.3, calls 127-128: no faster than full checkpointing, planner within 7%), not
                 # at the long sequences where the search would take it, moving 170-430 GiB a step over PCIe
                 continue
+            # parallel.checkpoint_blocks: the config's, under full checkpointing without the offload (what it runs with)
+            blocks = base.checkpoint_blocks if ac == "full" and not moved else None
             s = base.replace(backend=backend, strategy=strategy, offload=offload, activation_checkpointing=ac,
-                             memory_budget=budget, activation_offload=moved, micro_batch_size=mb,
+                             checkpoint_blocks=blocks, memory_budget=budget, activation_offload=moved,
+                             micro_batch_size=mb,
                              nvme=base.nvme and offload != "none")
             key = (backend, strategy, offload, moved, ac, budget)
             if key not in why:
