@@ -178,7 +178,9 @@ def activations(m: ModelShape, s: Setting) -> tuple[float, float]:
         recomputed = activation_bytes_per_token_layer(m, s) * s.tokens
         if s.activation_checkpointing == "full":
             taken = s.checkpointed_layers(m.layers)
-            return taken * block_input + (m.layers - taken) * whole, recomputed if taken else 0.0
+            left = m.layers - taken  # kept whole, compiled QLoRA's with their dequantised weights
+            unchecked = left * whole + dequantised_kept(m, s.replace(activation_checkpointing="none")) * left / m.layers
+            return taken * block_input + unchecked, recomputed if taken else 0.0
         kept = selective_bytes_per_token_layer(m, s) * s.tokens
         return m.layers * kept, max(0.0, recomputed - kept)
     if s.budget_applies:  # parallel.activation_memory_budget: between full checkpointing's and none's
