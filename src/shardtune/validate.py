@@ -47,9 +47,9 @@ def validate(path: str, overrides: list[str], *, nproc_flag: int | str | None = 
 
         cfg, plan = resolve_auto(cfg, hf_config, hardware, world=world * nnodes, per_node=world, force=force)
     check_combination(cfg, world, device=device_type(), nnodes=nnodes)
-    from shardtune.parallel import check_offload_embedding
+    from shardtune.parallel import check_weights_on_host
 
-    check_offload_embedding(cfg, hf_config)
+    check_weights_on_host(cfg, hf_config)
     from shardtune.models.liger_rules import check_liger, head_adapted
 
     check_liger(cfg.model.liger, device_type(), hf_config.model_type,

@@ -143,7 +143,7 @@ TIED_EMBEDDING = ("peft.offload_embedding: this model ties its input embedding t
                   "which computes on the GPU; set peft.offload_embedding=false")
 
 
-def check_offload_embedding(cfg: Config, hf_config: Any) -> None:
+def check_weights_on_host(cfg: Config, hf_config: Any) -> None:
     """peft.offload_embedding and peft.offload_head need an input embedding and an LM head of their own: refused
     before launch from the model's config (parallel/host_embedding.py and host_head.py check the modules too)."""
     tied = getattr(hf_config, "tie_word_embeddings", False)

@@ -29,9 +29,10 @@ class HostHead:
     def __init__(self, causal_lm: nn.Module, decoder: nn.Module, module: nn.Linear, device: torch.device) -> None:
         self.module, self.device = module, device
         cuda = device.type == "cuda"
-        self.host = nn.Parameter(module.weight.detach().to("cpu"), requires_grad=False)
-        if cuda:
-            self.host = nn.Parameter(self.host.pin_memory(), requires_grad=False)  # copied in without staging
+        # pinned on a GPU (copied in without staging), made once: no pageable copy of the head beside it first
+        weight = module.weight.detach()
+        host = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=cuda).copy_(weight)
+        self.host = nn.Parameter(host, requires_grad=False)
         module.weight = self.host
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.event: Any = None  # the copy in flight (CUDA), waited for once
