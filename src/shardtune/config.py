@@ -221,7 +221,8 @@ class ParallelConfig(_Section):
                             "the same DCP files (resume on any GPU count). Not with fp16. LoRA's A and B matrices cast "
                             "in their forward instead (no copy kept: 8B LoRA / QLoRA on one H200 4% / 7% faster "
                             "at the same peak). auto: direct where that was measured (bf16 with AdamW on one "
-                            "process: full fine-tuning, LoRA and QLoRA), else fsdp2.")
+                            "process: full fine-tuning, LoRA and QLoRA; with parallel.activation_offload LoRA and "
+                            "QLoRA only), else fsdp2.")
     shard_frozen: bool | Literal["auto"] = Field(
         "auto", description="Whether FSDP2 manages the frozen base weights stored in the compute dtype (LoRA's base, "
                             "QLoRA's embeddings and norms) like the others: sharded over the processes and gathered "

@@ -126,6 +126,8 @@ def test_the_planner_prices_direct_as_what_it_holds() -> None:
     (["optim.name=adamw8bit"], 1, False),
     (["parallel.one_gpu=fsdp2"], 1, False),
     (["parallel.one_gpu=direct", "peft.method=lora"], 1, True),
+    (["parallel.activation_offload=true", "peft.method=qlora"], 1, True),  # measured at 131,072 tokens (call 137)
+    (["parallel.activation_offload=true"], 1, False),  # full fine-tuning's offload: not measured direct
 ])
 def test_auto_runs_direct_only_where_it_was_measured(overrides, world, direct) -> None:
     """parallel.one_gpu: auto (the default) = direct for bf16 full fine-tuning with AdamW on one process; the

@@ -79,6 +79,9 @@ LIGER_ACCUM_WEIGHT_CALL = 101
 # peft.offload_embedding became `auto` (LoRA / QLoRA's untied input embedding on the host on the one-GPU direct
 # path) after call 103 (thirty-fourth session); earlier rows kept it on the GPU unless their overrides say otherwise.
 OFFLOAD_EMBEDDING_AUTO_CALL = 104
+# parallel.one_gpu: auto runs LoRA / QLoRA with parallel.activation_offload direct after call 138 (forty-fourth
+# session); earlier rows with the offload ran under FSDP2 unless their overrides say otherwise.
+OFFLOAD_DIRECT_AUTO_CALL = 139
 
 
 def _matrix() -> dict[str, list[str]]:
@@ -120,6 +123,9 @@ def _predictions() -> list[tuple[dict, object]]:
         if int(row["call"]) < OFFLOAD_EMBEDDING_AUTO_CALL and not any(o.startswith("peft.offload_embedding=")
                                                                       for o in overrides):
             overrides = ["peft.offload_embedding=false", *overrides]
+        if int(row["call"]) < OFFLOAD_DIRECT_AUTO_CALL and "parallel.activation_offload=true" in overrides \
+                and not any(o.startswith("parallel.one_gpu=") for o in overrides):
+            overrides = ["parallel.one_gpu=fsdp2", *overrides]
         cfg = load_config(str(ROOT / "bench" / "bench.yaml"), ["data.train_file=examples/data/tasks.jsonl", *overrides])
         if "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size):
             continue  # the pick: priced with the search, not as configured

@@ -44,10 +44,13 @@ def direct_applies(one_gpu: str, *, world: int, strategy: str, peft: str, precis
     """Whether zero2 / zero3 run without FSDP2 (parallel.one_gpu = `one_gpu`; `world`: every process of the
     job). auto: only where it was measured to pay (bench/RESULTS.md 2026-12-04, seventeenth and eighteenth
     sessions, one H200, bf16, AdamW: 1B full fine-tuning 7% faster at the same peak; 8B LoRA / QLoRA 4% / 7%
-    faster at the same peak); fp32, 8-bit AdamW, offloaded activations and an fp32 frozen base keep FSDP2."""
+    faster at the same peak); with offloaded activations LoRA / QLoRA only (8B QLoRA at 131,072 tokens on one H100,
+    calls 129 and 137: FSDP2's speed, 1.0 GiB less with the input embedding on the host, bench/RESULTS.md
+    forty-fourth session); fp32, 8-bit AdamW, an fp32 frozen base and full fine-tuning's offload keep FSDP2."""
     if world != 1 or strategy not in ("zero2", "zero3") or one_gpu == "fsdp2":
         return False
-    return one_gpu == "direct" or (precision == "bf16" and optim == "adamw" and not activation_offload
+    return one_gpu == "direct" or (precision == "bf16" and optim == "adamw"
+                                   and (peft != "none" or not activation_offload)
                                    and (peft == "none" or base_dtype != "fp32"))
 
 
