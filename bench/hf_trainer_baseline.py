@@ -112,11 +112,15 @@ def main() -> None:
                               use_liger_kernel=liger)
     cfg, model = build(args)
     times: list[float] = []
+    steps: list[dict] = []  # each timed step's time and, where NVML answers, the GPU's power, SM clock, heat
+    sampler = _sampler() if gpu and int(os.environ.get("RANK", 0)) == 0 else None
 
     class Timer(TrainerCallback):
         def on_step_begin(self, a, s, c, **kw):
             if gpu:
                 torch.cuda.synchronize()
+            if sampler:
+                sampler.take()  # the samples between steps are not this step's
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, s, c, **kw):
@@ -124,12 +128,16 @@ def main() -> None:
                 torch.cuda.synchronize()
             if s.global_step > args.warmup:
                 times.append(time.perf_counter() - self.t0)
+                steps.append({"step": s.global_step, "step_time_s": round(times[-1], 4),
+                              **(sampler.take() if sampler else {})})
 
     world = targs.world_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.mbs * world * (args.steps + 1), args.seq), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]
     Trainer(model=model, args=targs, train_dataset=data, callbacks=[Timer()]).train()
+    if sampler:
+        sampler.close()
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
                          torch.cuda.max_memory_reserved() / 2**30 if gpu else 0.0], device="cuda" if gpu else "cpu")
     if dist.is_initialized():
@@ -152,7 +160,21 @@ def main() -> None:
                                       "tokens_per_s_per_gpu_max": round(args.mbs * args.seq / min(times))
                                       if times else None,
                                       "peak_alloc_gib": round(float(peak[0]), 2),
-                                      "peak_reserved_gib": round(float(peak[1]), 2)}), flush=True)
+                                      "peak_reserved_gib": round(float(peak[1]), 2),
+                                      "steps": steps}), flush=True)
+
+
+def _sampler():
+    """shardtune's NVML sampler (its src on PYTHONPATH, nvidia-ml-py installed), started, or None: each timed step's
+    GPU power, SM clock and temperature beside shardtune's own rows. HF + PEFT + Liger's median moved 7,991 ->
+    7,104 tokens/s between calls on one warm H100 while shardtune's stayed within 0.2% (bench/RESULTS.md,
+    forty-fourth session); its min-max spread was 2x."""
+    try:
+        from shardtune.metrics.system import SystemSampler
+    except ImportError:
+        return None
+    sampler = SystemSampler(period_s=0.1)
+    return sampler.start() if sampler.handles else None
 
 
 if __name__ == "__main__":

@@ -41,18 +41,21 @@ python3 - "$O/rows.jsonl" > "$O/table.md" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
 hf = next((r["tokens_per_s_per_gpu"] for r in rows if r.get("who") == "hf_peft" and r.get("rc") == 0), None)
-print("| run | rc | tokens/s (min-max) | vs HF + PEFT + Liger | peak alloc GiB | reserved GiB | power W | mJ/token |\n"
-      "|---|---|---|---|---|---|---|---|")
+print("| run | rc | tokens/s (min-max) | vs HF + PEFT + Liger | peak alloc GiB | reserved GiB | power W | SM MHz | "
+      "mJ/token |\n|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     t = r.get("tokens_per_s_per_gpu") or 0
     ratio = f"{t / hf:.2f}" if hf and t else "-"
-    # the timed steps' median GPU power (log.system's samples; the HF rows have none): energy per token at it
-    watts = sorted(s["gpu_power_w"][0] for s in r.get("steps") or [] if s.get("gpu_power_w"))
-    w = watts[len(watts) // 2] if watts else 0
+    # the timed steps' median GPU power and SM clock (log.system's samples; the HF rows' from its sampler, where
+    # NVML answers): energy per token at that power
+    def median(key):
+        values = sorted(s[key][0] for s in r.get("steps") or [] if s.get(key))
+        return values[len(values) // 2] if values else 0
+    w, clock = median("gpu_power_w"), median("gpu_sm_clock_mhz")
     energy = f"{1000 * w / t:.1f}" if w and t else "-"
     print(f"| {r['tag']}: {r.get('who')} {r.get('method')} | {r.get('rc')} | {t:,.0f} ({r.get('tokens_per_s_per_gpu_min', 0):,.0f}-"
           f"{r.get('tokens_per_s_per_gpu_max', 0):,.0f}) | {ratio} | {r.get('peak_alloc_gib', 0):.2f} | {r.get('peak_reserved_gib', 0):.2f} | "
-          f"{w:.0f} | {energy} |")
+          f"{w:.0f} | {clock:.0f} | {energy} |")
 PY
 tar czf "$O/logs.tgz" -C "$O" --exclude=logs.tgz --exclude=table.md . 2>/dev/null
 find "$O" -mindepth 1 -maxdepth 1 ! -name table.md ! -name logs.tgz -exec rm -rf {} +

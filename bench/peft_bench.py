@@ -96,7 +96,7 @@ def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs:
         r = json.loads(lines[-1][len("RESULT "):])
         result.update({k: r.get(k) for k in ("tokens_per_s_per_gpu", "tokens_per_s_per_gpu_min",
                                              "tokens_per_s_per_gpu_max", "steps_timed", "peak_alloc_gib",
-                                             "peak_reserved_gib")})
+                                             "peak_reserved_gib", "steps")})
     return result
 
 
