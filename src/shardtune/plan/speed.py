@@ -101,6 +101,11 @@ OVERLAP = 0.8
 # under call 119's run without them on another H100 (across calls). Not zero, so that the search never takes the
 # offload (less GPU memory: its tie-break) over a run that fits without it.
 OFFLOAD_EXPOSED = 0.1
+# peft.offload_head's copy in, each forward, is exposed far more than the offload's: 8B LoRA at micro-batch 4 with the
+# blocks' inputs on the host ran 2.1% slower with the head on the host (11,722 / 11,696 tokens/s in calls 134-135
+# against 11,956 / 11,967 in calls 128 and 130, the defaults within 0.3% across those calls): 15 ms of a 1 GB copy
+# that takes 19 ms at the H100's rate, where OFFLOAD_EXPOSED priced 2 ms (bench/RESULTS.md forty-fourth session).
+HEAD_EXPOSED = 0.75
 # Fixed host-side cost per micro-batch (Python, kernel launches, the data batch's copy), seconds.
 STEP_OVERHEAD_S = 0.004
 # Selective checkpointing's per-op policy runs through torch's checkpoint TorchDispatchMode, Python called for
@@ -283,7 +288,7 @@ def offload_seconds(m: ModelShape, s: Setting, hw: Any, compute: float) -> float
         activations += s.tokens * m.hidden * s.frozen_bytes * s.grad_accum / hw.h2d_bytes_per_s
     if s.head_on_host(m):  # peft.offload_head: each forward's copy in on the side stream, as the offload's copies
         head = host_head_bytes(m, s) / hw.h2d_bytes_per_s
-        activations += (max(head - forward / s.grad_accum, 0.0) + OFFLOAD_EXPOSED * head) * s.grad_accum
+        activations += (max(head - forward / s.grad_accum, 0.0) + HEAD_EXPOSED * head) * s.grad_accum
     if s.offload == "none":
         return activations
     trainable = m.params if s.peft == "none" else m.lora_params
