@@ -1013,7 +1013,9 @@ def test_checkpoint_blocks_is_refused_in_one_line_where_it_has_no_meaning() -> N
 
 def test_strategy_auto_keeps_checkpoint_blocks_where_full_checkpointing_runs() -> None:
     """The search prices the config's parallel.checkpoint_blocks with full checkpointing only (none, selective and
-    the activation offload run without it), and writes a pick the config's own check accepts."""
+    the activation offload run without it), and writes a pick the config's own check accepts, its workers too."""
+    from shardtune.plan import auto_overrides
+
     given = ["model.preset=llama-3-8b", "peft.method=lora", "parallel.compile=true", "train.micro_batch_size=2",
              "parallel.activation_checkpointing=full", "parallel.checkpoint_blocks=29", "parallel.strategy=auto"]
     cfg = _cfg(*given)
@@ -1024,3 +1026,31 @@ def test_strategy_auto_keeps_checkpoint_blocks_where_full_checkpointing_runs() -
             if c.setting.activation_checkpointing != "full" or c.setting.activation_offload} == {None}
     assert any(c.setting.checkpoint_blocks == 29 for c in plan.result.candidates)
     type(p).model_validate(p.model_dump())  # the pick as written passes the section's own checks
+    worker = _cfg(*given, *auto_overrides(resolved, plan.auto))  # what the launcher's workers load
+    assert worker.parallel.checkpoint_blocks == p.checkpoint_blocks
+    assert worker.parallel.activation_checkpointing == p.activation_checkpointing
+
+
+def test_strategy_auto_checkpoints_the_fewest_first_blocks_that_fit() -> None:
+    """Eager blocks on a GPU where full checkpointing fits and none does not: the search prices full checkpointing
+    of the first N blocks only, the smallest N that fits (faster than all L, N - 1 does not fit), picks it, and the
+    workers' overrides carry it. Compiled blocks have the memory budgets for that trade instead."""
+    from shardtune.plan import auto_overrides
+    from shardtune.plan.search import price
+
+    given = ["model.preset=llama-3-8b", "peft.method=lora", "train.micro_batch_size=2", "parallel.strategy=auto"]
+    small = replace(lookup("h100"), memory_bytes=32 * GIB)
+    resolved, plan = resolve_auto(_cfg(*given), preset_config("llama-3-8b"), small, world=1, per_node=1)
+    chosen = plan.chosen()
+    n = chosen.setting.checkpoint_blocks
+    assert chosen.setting.activation_checkpointing == "full" and n is not None and 0 < n < 32, chosen.setting
+    full = price(plan.shape, chosen.setting.replace(checkpoint_blocks=None), small, plan.result.capacity, None)
+    one_fewer = price(plan.shape, chosen.setting.replace(checkpoint_blocks=n - 1), small, plan.result.capacity, None)
+    assert full.usable and not one_fewer.usable
+    assert chosen.time.tokens_per_sec_per_gpu > full.time.tokens_per_sec_per_gpu
+    assert f"parallel.checkpoint_blocks={n}" in auto_overrides(resolved, plan.auto)
+    worker = _cfg(*given, *auto_overrides(resolved, plan.auto))
+    assert worker.parallel.checkpoint_blocks == n and worker.parallel.activation_checkpointing == "full"
+    compiled = resolve_auto(_cfg(*given, "parallel.compile=true"), preset_config("llama-3-8b"), small, world=1,
+                            per_node=1)[1]
+    assert all(c.setting.checkpoint_blocks is None for c in compiled.result.candidates)

@@ -450,12 +450,17 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
                 f"parallel.activation_checkpointing={p.activation_checkpointing}",
                 f"parallel.activation_offload={str(p.activation_offload).lower()}",
                 f"parallel.shard_frozen={str(p.shard_frozen).lower()}",
-                f"parallel.checkpoint_in_compile={str(p.checkpoint_in_compile).lower()}"]
-        if p.activation_memory_budget is not None:
-            out.append(f"parallel.activation_memory_budget={p.activation_memory_budget:g}")
+                f"parallel.checkpoint_in_compile={str(p.checkpoint_in_compile).lower()}",
+                # null where the pick runs without them: the workers load the config's own values first
+                f"parallel.activation_memory_budget={_or_null(p.activation_memory_budget)}",
+                f"parallel.checkpoint_blocks={_or_null(p.checkpoint_blocks)}"]
     if "train.micro_batch_size" in auto:
         out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return out
+
+
+def _or_null(value: float | None) -> str:
+    return "null" if value is None else f"{value:g}"
 
 
 def write_plan(plan: Plan, path: Path) -> None:

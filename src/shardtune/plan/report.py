@@ -19,7 +19,8 @@ TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "
 # The table's checkpointing column: "+h" when the saved activations are on the host; its strategy column: "+w" when
 # the frozen base is whole on each GPU (parallel.shard_frozen: false), "+e" when the input embedding is in host
 # memory (peft.offload_embedding); its checkpointing column "+a" when full checkpointing is around the compiled
-# blocks where auto would put it inside (parallel.checkpoint_in_compile: false).
+# blocks where auto would put it inside (parallel.checkpoint_in_compile: false), "fullN" when it takes the first N
+# blocks only (parallel.checkpoint_blocks).
 AC_SHORT = {"selective": "sel"}
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
@@ -49,6 +50,7 @@ def _row(c: Candidate, mark: str = "") -> str:
     fits = "yes" if c.usable else ("host" if c.fits else "no")
     ac = f"b{s.memory_budget:g}" if s.budget_recompute else AC_SHORT.get(s.activation_checkpointing,
                                                                           s.activation_checkpointing)
+    ac += str(s.checkpoint_blocks) if s.checkpoint_blocks is not None and s.activation_checkpointing == "full" else ""
     ac += "+h" if s.activation_offload else ""
     ac += "+a" if s.checkpoint_in_compile is False and s.compile and s.activation_checkpointing == "full" else ""
     strategy = s.strategy + ("+w" if s.frozen_local else "") + ("+e" if s.embedding_offloaded else "")
