@@ -244,8 +244,8 @@ def offload_returned(m: ModelShape, s: Setting) -> float:
     backward runs and the next block's, copied back while it runs. The host waits for the GPU only once more than
     OFFLOAD_BACK_BYTES of copies back are queued, and then for an unpack queued after the running block's backward:
     so up to the next block's whole set, or the bound plus its last tensor (the MLP's tokens x f, the largest).
-    8B QLoRA at 32,768 tokens, budget 0.3 and the offload measured 18.03 GiB (call 138), the running block and the
-    bound 16.59, both blocks 17.40; 8B LoRA at 2,048 tokens 16.17 (calls 127-128), 16.77 and 15.99. (Under
+    8B QLoRA at 32,768 tokens, budget 0.3 and the offload measured 18.03 GiB (call 138): priced 16.59 with the
+    running block and the bound alone, 17.32 so; 8B LoRA at 2,048 tokens 16.17 (calls 127-128): 16.77, 15.99. (Under
     checkpointing what comes back is one block input at a time, inside what the rows the checkpoint's terms were
     fitted on measured.)"""
     if not s.activation_offload or s.activation_checkpointing != "none":
