@@ -26,6 +26,9 @@ export STEPS=${STEPS:-42} WARMUP=${WARMUP:-10} SIZE=${SIZE:-8b}
 run() {  # run TAG RUNS BASELINES EXTRA
   local left=$((BUDGET - (SECONDS - START)))
   [ "$left" -lt 90 ] && { echo "== $1 skipped: ${left}s left"; return; }
+  # the host's load before each run (HF's step is host-paced: its median fell 7,805 -> 7,104 over calls 134-136 on
+  # one warm machine while shardtune's held; a process left from an earlier call would show here)
+  { echo "== before $1: $(cat /proc/loadavg)"; ps -eo pcpu,pid,etime,comm --sort=-pcpu | head -4; } >> "$O/host.txt"
   OUT=$O/$1 RUNS=$2 BASELINES=$3 EXTRA=$4 BUDGET=$left bash bench/table2.sh > "$O/$1.log" 2>&1
   grep '^{' "$O/$1.log" | sed "s/^{/{\"tag\": \"$1\", /" >> "$O/rows.jsonl"
 }
