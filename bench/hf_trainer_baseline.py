@@ -168,12 +168,13 @@ def _sampler():
     """shardtune's NVML sampler (its src on PYTHONPATH, nvidia-ml-py installed), started, or None: each timed step's
     GPU power, SM clock and temperature beside shardtune's own rows. HF + PEFT + Liger's median moved 7,991 ->
     7,104 tokens/s between calls on one warm H100 while shardtune's stayed within 0.2% (bench/RESULTS.md,
-    forty-fourth session); its min-max spread was 2x."""
+    forty-fourth session); its min-max spread was 2x. Sampled every second, as shardtune's runs are (its thread takes
+    the GIL that HF's host-paced loop needs as often as theirs does; a step without a sample of its own gets one)."""
     try:
         from shardtune.metrics.system import SystemSampler
     except ImportError:
         return None
-    sampler = SystemSampler(period_s=0.1)
+    sampler = SystemSampler()
     return sampler.start() if sampler.handles else None
 
 
