@@ -8,8 +8,9 @@ that, model.max_position_embeddings is raised with the preset's RoPE scaling kep
 checkpointing, Liger's fused loss (`model.liger=loss`: the logits are never materialised), and one text of at
 least SEQ tokens per step; `offload` adds parallel.activation_offload, `compile` parallel.compile (the checkpoint
 inside the compiled blocks: auto's choice without the offload), `compile_around` with the checkpoint around them,
-`offload_compile` both (auto: around), `offload_inside` both with the checkpoint inside the compiled blocks, and
-`offload_direct` that without FSDP2 (parallel.one_gpu=direct), `offload_budget` the offload of compiled blocks
+`offload_compile` both (auto: around; without FSDP2 since call 139, as parallel.one_gpu: auto runs the offload),
+`offload_inside` both with the checkpoint inside the compiled blocks under FSDP2, and `offload_direct` that without
+FSDP2 (parallel.one_gpu=direct), `offload_budget` the offload of compiled blocks
 without a checkpoint under activation_memory_budget 0.3.
 `--hf` adds Hugging Face Trainer + PEFT + bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora,
 HF_LIGER=1) at the same lengths. A run that
@@ -36,10 +37,11 @@ VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"],
             "compile_around": ["parallel.compile=true", "parallel.checkpoint_in_compile=false"],
             "offload_compile": ["parallel.activation_offload=true", "parallel.compile=true"],
             # the checkpoint inside the compiled blocks with the offload (allowed since the thirty-fifth session):
-            # less recompute, ~3.5 x p x f bytes per token more in backward (auto keeps it around with the offload)
+            # less recompute, ~3.5 x p x f bytes per token more in backward (auto keeps it around with the offload);
+            # under FSDP2, as parallel.one_gpu: auto ran it until call 138
             "offload_inside": ["parallel.activation_offload=true", "parallel.compile=true",
-                               "parallel.checkpoint_in_compile=true"],
-            # the same without FSDP2 (parallel.one_gpu: auto keeps FSDP2 with the offload: not measured before)
+                               "parallel.checkpoint_in_compile=true", "parallel.one_gpu=fsdp2"],
+            # the same without FSDP2 (call 137: FSDP2's speed, 1.0 GiB lower; auto's choice for LoRA / QLoRA since)
             "offload_direct": ["parallel.activation_offload=true", "parallel.compile=true",
                                "parallel.checkpoint_in_compile=true", "parallel.one_gpu=direct"],
             # no checkpoint, the compiled blocks' saved tensors under a memory budget all on the host (what
