@@ -50,14 +50,19 @@ VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"],
                                "parallel.activation_checkpointing=none", "parallel.activation_memory_budget=0.3"]}
 
 
+def run_overrides(variant: str, seq: int, preset: str, positions: int, data: Path | str, steps: int) -> list[str]:
+    """The overrides of bench/bench.yaml one shardtune run takes (tests/unit/test_bench_variants.py checks each)."""
+    longer = [] if seq <= positions else [f"model.max_position_embeddings={seq}"]
+    liger = ["model.liger=loss"] if preset != "tiny-llama" else []
+    return [f"model.preset={preset}", f"data.train_file={data}", "data.packing=false", f"train.seq_len={seq}",
+            "train.micro_batch_size=1", f"train.max_steps={steps}", "log.every=1", "peft.method=qlora",
+            "parallel.strategy=zero3", "parallel.activation_checkpointing=full", *liger, *longer, *VARIANTS[variant]]
+
+
 def shardtune_run(variant: str, seq: int, args: argparse.Namespace, data: Path, log) -> dict:
     out = Path(args.work) / f"{variant}-{seq}"
-    positions = [] if seq <= args.positions else [f"model.max_position_embeddings={seq}"]
-    liger = ["model.liger=loss"] if args.preset != "tiny-llama" else []
-    cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench/bench.yaml"), f"model.preset={args.preset}",
-           f"data.train_file={data}", "data.packing=false", f"train.seq_len={seq}", "train.micro_batch_size=1",
-           f"train.max_steps={args.steps}", "log.every=1", "peft.method=qlora", "parallel.strategy=zero3",
-           "parallel.activation_checkpointing=full", *liger, *positions, *VARIANTS[variant],
+    cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench/bench.yaml"),
+           *run_overrides(variant, seq, args.preset, args.positions, data, args.steps),
            "--output-dir", str(out), "--force"]
     # A fresh folder per run: one holding an earlier finished run is refused (exit 2), and its metrics were then read
     # as this run's (call 114, bench/RESULTS.md thirty-sixth session).
