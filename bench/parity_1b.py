@@ -146,14 +146,19 @@ def make_data(path: Path, seq: int) -> None:
                         "--chars", str(int(seq * 1.15)), "--seed", "0", "--min-tokens", str(seq)], check=True)
 
 
+def run_overrides(args: argparse.Namespace, data: Path | str, out_dir: Path, overrides: list[str]) -> list[str]:
+    """The overrides of bench/bench.yaml one run takes (tests/unit/test_bench_variants.py checks each variant's)."""
+    return [f"model.preset={args.preset}", f"data.train_file={data}", "data.eval_fraction=0",
+            f"train.precision={args.precision}", f"train.seq_len={args.seq}", f"train.micro_batch_size={args.mbs}",
+            "train.grad_accum=1", f"train.max_steps={args.steps}", f"train.output_dir={out_dir}", "log.every=1",
+            "log.progress=false", "log.jsonl=true", "checkpoint.save_final=false", *overrides]
+
+
 def run(name: str, overrides: list[str], args: argparse.Namespace, data: Path, timeout: float) -> dict:
     out_dir = args.out / "runs" / name
     shutil.rmtree(out_dir, ignore_errors=True)  # never read an earlier call's metrics for a run that failed now
     cmd = [sys.executable, "-m", "shardtune", "train", str(ROOT / "bench" / "bench.yaml"), "--nproc", "1",
-           "--overwrite", f"model.preset={args.preset}", f"data.train_file={data}", "data.eval_fraction=0",
-           f"train.precision={args.precision}", f"train.seq_len={args.seq}", f"train.micro_batch_size={args.mbs}",
-           "train.grad_accum=1", f"train.max_steps={args.steps}", f"train.output_dir={out_dir}", "log.every=1",
-           "log.progress=false", "log.jsonl=true", "checkpoint.save_final=false", *overrides]
+           "--overwrite", *run_overrides(args, data, out_dir, overrides)]
     t0 = time.time()
     log = args.out / "runs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

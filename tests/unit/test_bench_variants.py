@@ -3,6 +3,7 @@ at most, thirty a session) never spends its time on an override the config refus
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 
 import pytest
@@ -28,4 +29,18 @@ def test_each_long_context_variant_passes_the_checks_a_run_makes(variant: str) -
                                            ROOT / "examples" / "data" / "tasks.jsonl", 3)
     cfg = load_config(str(ROOT / "bench" / "bench.yaml"), overrides)
     assert cfg.model.max_position_embeddings == 262144 and cfg.peft.method == "qlora"
+    check_combination(cfg, 1)
+
+
+PARITY_1B = _bench("parity_1b")
+
+
+@pytest.mark.parametrize("set_name, variant", sorted((s, v) for s, variants in PARITY_1B.VARIANTS.items()
+                                                     for v in variants))
+def test_each_parity_1b_variant_passes_the_checks_a_run_makes(set_name: str, variant: str, tmp_path) -> None:
+    args = argparse.Namespace(preset="llama-3.2-1b", precision="bf16", seq=2048, mbs=4, steps=50)
+    overrides = PARITY_1B.run_overrides(args, ROOT / "examples" / "data" / "tasks.jsonl", tmp_path,
+                                        PARITY_1B.REFERENCE[set_name] + PARITY_1B.VARIANTS[set_name][variant])
+    cfg = load_config(str(ROOT / "bench" / "bench.yaml"), overrides)
+    assert cfg.train.micro_batch_size == 4
     check_combination(cfg, 1)
