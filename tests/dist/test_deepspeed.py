@@ -33,8 +33,10 @@ pytest.importorskip("deepspeed")
 # suite's budget, so it runs where the op is built already or SHARDTUNE_TEST_OP_BUILDS=1 asks for the build.
 NVME = async_io_available() and (op_built("async_io") or os.environ.get("SHARDTUNE_TEST_OP_BUILDS") == "1")
 NO_LIBAIO = NVME_SKIP if async_io_available() else "libaio is not installed here (.ci/run installs it)"
-DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero2:ds:offload", "zero3:ds:offparams",
-           "zero3:ds:nvme"]
+# zero3:ds:ac:cb1: full checkpointing of the first block only (parallel.checkpoint_blocks, which strategy auto may
+# now pick for DeepSpeed candidates too)
+DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero3:ds:ac:cb1", "zero2:ds:offload",
+           "zero3:ds:offparams", "zero3:ds:nvme"]
 RUNNABLE = [v for v in DS_FP32 if NVME or v != "zero3:ds:nvme"]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -185,6 +187,7 @@ def test_deepspeed_collectives_are_counted(results):
 def test_deepspeed_runs_prove_their_features(results):
     two = results[1]
     assert two["zero3:ds:ac"]["mlp_calls"] == 2 * two["zero3:ds"]["mlp_calls"] == 2 * LAYERS * 6 * 2  # recomputed
+    assert two["zero3:ds:ac:cb1"]["mlp_calls"] == (LAYERS + 1) * 6 * 2  # the first block's only
     assert two["zero3:ds:bf16"]["activation_dtypes"] == ["bfloat16"]
     assert two["zero3:ds"]["activation_dtypes"] == ["float32"]
     assert two["zero3:ds:lora"]["ds_stage"] == two["zero3:ds:bf16"]["ds_stage"] == 3
