@@ -251,7 +251,8 @@ def free_knobs(cfg: Any) -> set[str]:
         free |= {k for k in ("backend", "offload", "activation_checkpointing", "activation_offload",
                              "checkpoint_in_compile") if k not in chosen}
         if "activation_checkpointing" in free:
-            free.add("memory_budget")  # a budget is a way of checkpointing (none with compile's recompute)
+            # a budget is a way of checkpointing (none with compile's recompute), and so are the first N blocks
+            free |= {"memory_budget", "checkpoint_blocks"}
         if cfg.parallel.shard_frozen == "auto":
             free.add("shard_frozen")
     if cfg.train.micro_batch_size == "auto":

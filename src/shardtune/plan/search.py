@@ -27,7 +27,8 @@ CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "
                "activation_offload": "parallel.activation_offload", "shard_frozen": "parallel.shard_frozen",
                "offload_embedding": "peft.offload_embedding", "offload_head": "peft.offload_head",
                "micro_batch_size": "train.micro_batch_size",
-               "checkpoint_in_compile": "parallel.checkpoint_in_compile"}
+               "checkpoint_in_compile": "parallel.checkpoint_in_compile",
+               "checkpoint_blocks": "parallel.checkpoint_blocks"}
 
 
 @dataclass

@@ -236,7 +236,8 @@ class Setting:
                 "activation_offload": self.activation_offload, "shard_frozen": self.shard_frozen,
                 "offload_embedding": self.embedding_offloaded, "offload_head": self.head_offloaded,
                 "micro_batch_size": self.micro_batch_size,
-                "checkpoint_in_compile": self.checkpoint_in_compile}
+                "checkpoint_in_compile": self.checkpoint_in_compile,
+                "checkpoint_blocks": self.checkpoint_blocks if self.activation_checkpointing == "full" else None}
 
 
 def host_embedding_asked(value: bool | str) -> bool:
