@@ -1054,3 +1054,20 @@ def test_strategy_auto_checkpoints_the_fewest_first_blocks_that_fit() -> None:
     compiled = resolve_auto(_cfg(*given, "parallel.compile=true"), preset_config("llama-3-8b"), small, world=1,
                             per_node=1)[1]
     assert all(c.setting.checkpoint_blocks is None for c in compiled.result.candidates)
+    # a config that sets the checkpointing keeps every block checkpointed
+    every = resolve_auto(_cfg(*given, "parallel.activation_checkpointing=full"), preset_config("llama-3-8b"), small,
+                         world=1, per_node=1)[1].chosen().setting
+    assert every.activation_checkpointing == "full" and every.checkpoint_blocks is None
+
+
+def test_a_fix_that_changes_the_checkpointing_drops_checkpoint_blocks() -> None:
+    """The config's check refuses parallel.checkpoint_blocks beside any checkpointing but full: a refusal that names
+    another checkpointing as the fix names `parallel.checkpoint_blocks=null` with it, so the line works as given."""
+    given = ["model.preset=llama-3-8b", "peft.method=lora", "train.micro_batch_size=4", "parallel.strategy=zero3",
+             "parallel.activation_checkpointing=full", "parallel.checkpoint_blocks=8"]
+    cfg = _cfg(*given)
+    line = refusal(make_plan(cfg, preset_config("llama-3-8b"), replace(lookup("h100"), memory_bytes=24 * GIB),
+                             world=1, per_node=1))
+    assert "parallel.activation_checkpointing=selective" in line and "parallel.checkpoint_blocks=null" in line, line
+    fix = line.split(": ", 1)[1].split(" fits")[0].split()
+    assert _cfg(*given, *fix).parallel.checkpoint_blocks is None  # the fix as given passes the config's check
