@@ -368,13 +368,15 @@ class PeftConfig(_Section):
                             "path, a plain untied embedding. auto: on there for LoRA / QLoRA on a GPU (8B LoRA on "
                             "one H100: 0.83 GiB less for 0.1-0.4% fewer tokens/s in three calls, QLoRA 0.98 GiB for "
                             "0.9%), off elsewhere; true is refused where it cannot run.")
-    offload_head: bool = Field(
-        False, description="Keep the frozen LM head in host memory and copy it in for each forward, on a side "
+    offload_head: bool | Literal["auto"] = Field(
+        "auto", description="Keep the frozen LM head in host memory and copy it in for each forward, on a side "
                            "stream behind the decoder's kernels; the forward's end drops the GPU copy (Liger's fused "
                            "loss reads the head in forward only; a plain loss frees it once its backward has run). "
                            "The head's GPU memory at the backward's peak (1 GB on the Llama-3-8B shape) for a copy "
                            "of the head per micro-batch over PCIe (8B LoRA at micro-batch 4 on one H100: 0.98 GiB "
-                           "lower, 2.1% slower). One-GPU direct path, a plain untied head.")
+                           "lower, 2.1% slower). One-GPU direct path, a plain untied head. auto: off, except that "
+                           "parallel.strategy: auto takes it where it is what fits; true is refused where it "
+                           "cannot run.")
     base_dtype: Literal["auto", "fp32", "bf16", "fp16", "float8"] = Field(
         "auto", description="Storage dtype of the frozen base weights (NF4 ones excepted): auto = the compute "
                             "precision, as a base loaded for PEFT in bf16, and float8 where that can run; adapters "

@@ -241,3 +241,39 @@ def test_the_planner_takes_the_head_out_of_backward_and_prices_its_copy_in() -> 
         assert on_host.host.get("head", 0.0) == (head if untied else 0.0)
         slower = step_time(shape, runs[1], h100).seconds - step_time(shape, runs[0], h100).seconds
         assert slower == pytest.approx(HEAD_EXPOSED * head / h100.h2d_bytes_per_s if untied else 0.0)
+
+
+def test_strategy_auto_takes_the_head_to_the_host_only_where_that_is_what_fits() -> None:
+    """peft.offload_head: auto (the default) is off for a run as configured; under parallel.strategy: auto the
+    search prices each direct PEFT setting with the head on the host beside it (the table's `+l`) and takes it
+    where nothing faster fits without it: 8B LoRA, compiled, on a 20 GiB GPU full checkpointing fits only with the
+    head on the host (faster than the activation offload that fits without it), on a 24 GiB one without. The
+    workers' overrides carry it; false keeps it off."""
+    from dataclasses import replace
+
+    from shardtune.models.presets import preset_config
+    from shardtune.plan import auto_overrides, resolve_auto
+    from shardtune.plan.hardware import lookup
+    from shardtune.plan.memory import GIB
+    from shardtune.plan.setting import setting_from_config
+
+    given = ["data.train_file=examples/data/tasks.jsonl", "model.preset=llama-3-8b", "peft.method=lora",
+             "parallel.compile=true", "model.liger=loss", "parallel.strategy=auto", "train.micro_batch_size=2"]
+    bench = str(ROOT / "bench" / "bench.yaml")
+    hf = preset_config("llama-3-8b")
+    assert load_config(bench, given).peft.offload_head == "auto"
+    assert not setting_from_config(load_config(bench, [*given, "parallel.strategy=zero2"]), 1, 1).offload_head
+
+    def pick(gib: float, *extra: str):
+        cfg = load_config(bench, [*given, *extra])
+        resolved, plan = resolve_auto(cfg, hf, replace(lookup("h100"), memory_bytes=gib * GIB), world=1, per_node=1)
+        return resolved, plan
+
+    resolved, plan = pick(20)
+    chosen = plan.chosen().setting
+    assert chosen.head_offloaded and chosen.activation_checkpointing == "full" and not chosen.activation_offload
+    assert "peft.offload_head=true" in auto_overrides(resolved, plan.auto)
+    assert load_config(bench, [*given, *auto_overrides(resolved, plan.auto)]).peft.offload_head is True
+    assert not pick(24)[1].chosen().setting.head_offloaded
+    kept_off = pick(20, "peft.offload_head=false")[1].chosen().setting
+    assert not kept_off.head_offloaded and kept_off.activation_offload  # the next way that fits

@@ -149,7 +149,7 @@ def check_weights_on_host(cfg: Config, hf_config: Any) -> None:
     tied = getattr(hf_config, "tie_word_embeddings", False)
     if cfg.peft.offload_embedding is True and tied:
         raise ShardtuneError(TIED_EMBEDDING)
-    if cfg.peft.offload_head and tied:
+    if cfg.peft.offload_head is True and tied:
         from shardtune.parallel.host_head import TIED_HEAD
 
         raise ShardtuneError(TIED_HEAD)

@@ -78,7 +78,7 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
     if cfg.peft.offload_embedding is True:
         raise ShardtuneError("peft.offload_embedding is the FSDP2 backend's one-GPU path; set "
                              "peft.offload_embedding=false, or parallel.backend=fsdp2")
-    if cfg.peft.offload_head:
+    if cfg.peft.offload_head is True:
         raise ShardtuneError("peft.offload_head is the FSDP2 backend's one-GPU path; set peft.offload_head=false, "
                              "or parallel.backend=fsdp2")
     if cfg.optim.fused == "compiled":

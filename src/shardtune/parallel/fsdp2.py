@@ -151,7 +151,7 @@ def check_direct_only(cfg: Config, world: int | None) -> None:
         raise ShardtuneError("peft.offload_embedding keeps a frozen input embedding on the host on the one-GPU "
                              "direct path (LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, "
                              "parallel.one_gpu auto or direct); set peft.offload_embedding=false")
-    if cfg.peft.offload_head and (cfg.peft.method == "none" or not may_run_direct(cfg, world)):
+    if cfg.peft.offload_head is True and (cfg.peft.method == "none" or not may_run_direct(cfg, world)):
         raise ShardtuneError("peft.offload_head keeps a frozen LM head on the host on the one-GPU direct path "
                              "(LoRA / QLoRA, one process, parallel.strategy zero2 / zero3, parallel.one_gpu auto or "
                              "direct); set peft.offload_head=false")
@@ -194,7 +194,8 @@ def _make(cfg: Config, ctx: DistContext, loss: LossFn) -> FSDP2Backend:
 
     on_gpu = ctx.device.type == "cuda"
     return DirectBackend(*args, compiled_update=takes_compiled_update(cfg, on_gpu=on_gpu),
-                         offload_embedding=embedding_to_host(cfg, on_gpu=on_gpu), offload_head=cfg.peft.offload_head)
+                         offload_embedding=embedding_to_host(cfg, on_gpu=on_gpu),
+                         offload_head=cfg.peft.offload_head is True)
 
 
 def embedding_to_host(cfg: Config, *, on_gpu: bool = True) -> bool | str:

@@ -198,6 +198,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
     write_strategy(p, s)
     if s.offload_embedding != host_embedding_asked(new.peft.offload_embedding):
         new.peft.offload_embedding = s.offload_embedding
+    write_head(new.peft, s)
     p.compile = s.compile  # the search keeps the config's; an alternative (alternatives) may not
     if s.offload == "none" or not s.nvme:
         p.offload_nvme_path = None
@@ -218,6 +219,12 @@ def write_strategy(parallel: Any, s: Setting) -> None:
     parallel.checkpoint_blocks = s.checkpoint_blocks
     parallel.checkpoint_in_compile = s.checkpoint_in_compile
     _say_shard_frozen(parallel, s)
+
+
+def write_head(peft: Any, s: Setting) -> None:
+    """peft.offload_head as the setting runs it: true where the search took it; auto, which means off, stays."""
+    if s.offload_head != (peft.offload_head is True):
+        peft.offload_head = s.offload_head
 
 
 def set_checkpointing(parallel: Any, s: Setting) -> None:
@@ -242,7 +249,8 @@ def _say_shard_frozen(parallel: Any, s: Setting) -> None:
 def free_knobs(cfg: Any) -> set[str]:
     """Setting fields the planner may choose: the strategy's (backend, offload and checkpointing too, unless the
     config sets them) under `parallel.strategy: auto`, and the micro-batch under its `auto`. peft.offload_embedding's
-    auto is a rule, not a search (the host wherever it runs: under 1% slower, measured), so the pick keeps it."""
+    auto is a rule, not a search (the host wherever it runs: under 1% slower, measured), so the pick keeps it;
+    peft.offload_head's auto is the search's (2.1% slower: taken only where it is what fits)."""
     free = set()
     if cfg.parallel.strategy == "auto":
         free.add("strategy")
@@ -255,6 +263,8 @@ def free_knobs(cfg: Any) -> set[str]:
             free |= {"memory_budget", "checkpoint_blocks"}
         if cfg.parallel.shard_frozen == "auto":
             free.add("shard_frozen")
+        if cfg.peft.offload_head == "auto":
+            free.add("offload_head")
     if cfg.train.micro_batch_size == "auto":
         free.add("micro_batch_size")
     return free
@@ -437,6 +447,7 @@ def config_for_auto(cfg: Any, s: Setting, auto: tuple[str, ...]) -> Any:
     new = cfg.model_copy(deep=True)
     if "parallel.strategy" in auto:
         write_strategy(new.parallel, s)
+        write_head(new.peft, s)
     if "train.micro_batch_size" in auto:
         new.train.micro_batch_size = s.micro_batch_size
     return new
@@ -455,6 +466,8 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
                 # null where the pick runs without them: the workers load the config's own values first
                 f"parallel.activation_memory_budget={_or_null(p.activation_memory_budget)}",
                 f"parallel.checkpoint_blocks={_or_null(p.checkpoint_blocks)}"]
+        if cfg.peft.offload_head is True:  # taken by the search (its auto), or the config's
+            out.append("peft.offload_head=true")
     if "train.micro_batch_size" in auto:
         out.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return out

@@ -16,11 +16,11 @@ TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "
          ("gathered_parameters", "gather"), ("activations", "act"), ("logits", "logits"), ("buffers", "buf"))
 
 
-# The table's checkpointing column: "+h" when the saved activations are on the host; its strategy column: "+w" when
-# the frozen base is whole on each GPU (parallel.shard_frozen: false), "+e" when the input embedding is in host
-# memory (peft.offload_embedding); its checkpointing column "+a" when full checkpointing is around the compiled
-# blocks where auto would put it inside (parallel.checkpoint_in_compile: false), "fullN" when it takes the first N
-# blocks only (parallel.checkpoint_blocks).
+# The table's checkpointing column: "+h" when the saved activations are on the host, "+a" when full checkpointing is
+# around the compiled blocks where auto would put it inside (parallel.checkpoint_in_compile: false), "fullN" when it
+# takes the first N blocks only (parallel.checkpoint_blocks); its strategy column: "+w" when the frozen base is whole
+# on each GPU (parallel.shard_frozen: false), "+e" when the input embedding is in host memory
+# (peft.offload_embedding), "+l" when the LM head is (peft.offload_head).
 AC_SHORT = {"selective": "sel"}
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
@@ -53,7 +53,8 @@ def _row(c: Candidate, mark: str = "") -> str:
     ac += str(s.checkpoint_blocks) if s.checkpoint_blocks is not None and s.activation_checkpointing == "full" else ""
     ac += "+h" if s.activation_offload else ""
     ac += "+a" if s.checkpoint_in_compile is False and s.compile and s.activation_checkpointing == "full" else ""
-    strategy = s.strategy + ("+w" if s.frozen_local else "") + ("+e" if s.embedding_offloaded else "")
+    strategy = (s.strategy + ("+w" if s.frozen_local else "") + ("+e" if s.embedding_offloaded else "")
+                + ("+l" if s.head_offloaded else ""))
     return (f"{s.backend:<9} {strategy:<10} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
             f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "
             f"{c.time.mfu:>6.1%}  {fits} {mark}").rstrip()

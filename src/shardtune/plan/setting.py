@@ -266,7 +266,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         grad_accum=t.grad_accum, seq_len=t.seq_len, precision=t.precision, peft=cfg.peft.method,
         base_dtype=cfg.peft.base_dtype, dora=cfg.peft.use_dora, optim=cfg.optim.name,
         compiled_update=takes_compiled_update(cfg), offload_embedding=host_embedding_asked(cfg.peft.offload_embedding),
-        offload_head=cfg.peft.offload_head,
+        offload_head=cfg.peft.offload_head is True,  # auto: off unless the search takes it
         attn=cfg.model.attn_implementation,
         packing=cfg.data.packing, async_checkpoint=cfg.checkpoint.async_save,
         fused_loss=liger and not head_adapted(cfg.peft.method, cfg.peft.target_modules),
