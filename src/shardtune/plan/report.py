@@ -25,7 +25,7 @@ AC_SHORT = {"selective": "sel"}
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
     rows = [c for c in plan.result.candidates if show_all or c.usable]
-    head = (f"{'backend':<9} {'strategy':<10} {'offload':<9} {'ckpt':<6} {'mb':>3} {'GiB/GPU':>8} "
+    head = (f"{'backend':<9} {'strategy':<12} {'offload':<9} {'ckpt':<6} {'mb':>3} {'GiB/GPU':>8} "
             + " ".join(f"{short:>6}" for _, short in TERMS) + f" {'host GiB':>8} {'tok/s/GPU':>10} {'MFU':>6}  fits")
     lines = [head]
     for c in rows:
@@ -55,7 +55,7 @@ def _row(c: Candidate, mark: str = "") -> str:
     ac += "+a" if s.checkpoint_in_compile is False and s.compile and s.activation_checkpointing == "full" else ""
     strategy = (s.strategy + ("+w" if s.frozen_local else "") + ("+e" if s.embedding_offloaded else "")
                 + ("+l" if s.head_offloaded else ""))
-    return (f"{s.backend:<9} {strategy:<10} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
+    return (f"{s.backend:<9} {strategy:<12} {s.offload:<9} {ac:<6} {s.micro_batch_size:>3} "
             f"{mem.total / GIB:>8.1f} {terms} {mem.host_total / GIB:>8.1f} {c.time.tokens_per_sec_per_gpu:>10,.0f} "
             f"{c.time.mfu:>6.1%}  {fits} {mark}").rstrip()
 
