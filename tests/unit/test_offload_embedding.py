@@ -75,18 +75,25 @@ def test_a_lookup_reads_the_hosts_ids_and_lands_on_the_device() -> None:
     assert torch.equal(host(ids), table(ids))  # without: the ids it is given
 
 
-def test_refused_in_one_line_where_it_cannot_run(cli, tmp_path) -> None:
+def _refused_in_one_line(asked: str, cases: tuple[tuple[list[str], str], ...]) -> None:
+    """`asked` (a host-weight override) beside each case's overrides: check_combination refuses it in one line
+    matching the case's text."""
     from shardtune.parallel import check_combination
 
-    for overrides, match in (
-            (["peft.method=none"], "peft.offload_embedding keeps a frozen input embedding"),
-            (["peft.method=lora", "parallel.one_gpu=fsdp2"], "peft.offload_embedding keeps a frozen input embedding"),
-            (["peft.method=lora", "parallel.strategy=ddp"], "peft.offload_embedding keeps a frozen input embedding"),
-            (["peft.method=lora", "parallel.backend=deepspeed"], "peft.offload_embedding is the FSDP2 backend's")):
-        cfg = load_config(TINY, ["train.precision=bf16", "peft.offload_embedding=true", *overrides])
+    for overrides, match in cases:
+        cfg = load_config(TINY, ["train.precision=bf16", asked, *overrides])
         with pytest.raises(ShardtuneError, match=match) as err:
             check_combination(cfg)
         assert "\n" not in str(err.value)
+
+
+def test_refused_in_one_line_where_it_cannot_run(cli, tmp_path) -> None:
+
+    _refused_in_one_line("peft.offload_embedding=true", (
+        (["peft.method=none"], "peft.offload_embedding keeps a frozen input embedding"),
+        (["peft.method=lora", "parallel.one_gpu=fsdp2"], "peft.offload_embedding keeps a frozen input embedding"),
+        (["peft.method=lora", "parallel.strategy=ddp"], "peft.offload_embedding keeps a frozen input embedding"),
+        (["peft.method=lora", "parallel.backend=deepspeed"], "peft.offload_embedding is the FSDP2 backend's")))
     # two processes under parallel.strategy: auto: that refusal, not the planner's "nothing fits"
     proc = cli("train", TINY, "peft.method=lora", "train.precision=bf16", "peft.offload_embedding=true",
                "parallel.strategy=auto", "--nproc", "2", "--output-dir", str(tmp_path / "two"))
@@ -191,7 +198,6 @@ def test_a_head_on_the_host_is_lent_to_each_forward(fused: bool) -> None:
 
 
 def test_a_head_that_cannot_go_is_refused_in_one_line(cli, tmp_path) -> None:
-    from shardtune.parallel import check_combination
     from shardtune.parallel.host_head import offload_head
 
     with pytest.raises(ShardtuneError, match="ties its LM head to the input embedding"):
@@ -200,14 +206,10 @@ def test_a_head_that_cannot_go_is_refused_in_one_line(cli, tmp_path) -> None:
     trains.lm_head.weight.requires_grad_(True)
     with pytest.raises(ShardtuneError, match="the LM head trains here"):
         offload_head(trains, torch.device("cpu"))
-    for overrides, match in (
-            (["peft.method=none"], "peft.offload_head keeps a frozen LM head"),
-            (["peft.method=lora", "parallel.one_gpu=fsdp2"], "peft.offload_head keeps a frozen LM head"),
-            (["peft.method=lora", "parallel.backend=deepspeed"], "peft.offload_head is the FSDP2 backend's")):
-        cfg = load_config(TINY, ["train.precision=bf16", "peft.offload_head=true", *overrides])
-        with pytest.raises(ShardtuneError, match=match) as err:
-            check_combination(cfg)
-        assert "\n" not in str(err.value)
+    _refused_in_one_line("peft.offload_head=true", (
+        (["peft.method=none"], "peft.offload_head keeps a frozen LM head"),
+        (["peft.method=lora", "parallel.one_gpu=fsdp2"], "peft.offload_head keeps a frozen LM head"),
+        (["peft.method=lora", "parallel.backend=deepspeed"], "peft.offload_head is the FSDP2 backend's")))
     # the tiny preset ties its head to the embedding: refused before launch, in one line, exit 2
     proc = cli("train", TINY, "peft.method=lora", "train.precision=bf16", "peft.offload_head=true",
                "parallel.strategy=zero2", "train.max_steps=1", "--nproc", "1", "--output-dir", str(tmp_path / "o"))
