@@ -88,7 +88,6 @@ def _refused_in_one_line(asked: str, cases: tuple[tuple[list[str], str], ...]) -
 
 
 def test_refused_in_one_line_where_it_cannot_run(cli, tmp_path) -> None:
-
     _refused_in_one_line("peft.offload_embedding=true", (
         (["peft.method=none"], "peft.offload_embedding keeps a frozen input embedding"),
         (["peft.method=lora", "parallel.one_gpu=fsdp2"], "peft.offload_embedding keeps a frozen input embedding"),
