@@ -176,7 +176,9 @@ def offload_test_model(overrides: list[str], device: str = "cpu", offload: bool 
     restore_buffers(model, torch.device(device))
     model.train()
     blocks = list(model.model.layers)
-    hooks = prepare.offload_activations(model, blocks, device, min_bytes=0) if offload else None
+    last = cfg.parallel.checkpoint_blocks  # parallel.checkpoint_blocks: the hooks off from the first block left out
+    until = blocks[last] if last is not None and last < len(blocks) else None
+    hooks = prepare.offload_activations(model, blocks, device, min_bytes=0, until=until) if offload else None
     prepare.checkpoint_and_compile(model, blocks, cfg.parallel, device)
     return model, blocks, hooks
 
@@ -228,7 +230,8 @@ ONE_PROCESS_VARIANTS = ["ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw
                         "ddp:mb8", "zero3:compile", "zero3:lora:local"]
 TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile",
                         "zero3:ac:compile:around", "zero3:compile:budget", "zero3:ac:actoff",
-                        "zero3:compile:budget:actoff", "zero3:ac:cb1", "zero3:ac:compile:cb1:aot", "zero3:dir",
+                        "zero3:compile:budget:actoff", "zero3:ac:cb1", "zero3:ac:compile:cb1:aot", "zero3:ac:cb1:actoff",
+                        "zero3:dir",
                         "zero3:packed",
                         "ddp:packed", "ddp:lora", "zero2:lora", "zero3:lora", "zero3:lora:bf16", "zero3:bf16",
                         "zero2:fp16", "zero3:qlora", "zero3:adamw8bit", "zero3:noclip", "zero3:mb1",

@@ -166,7 +166,8 @@ class ParallelConfig(_Section):
                                 "others keep their activations for backward and are not run again (Megatron's "
                                 "recompute_method block with recompute_num_layers N): each block left out saves "
                                 "its recompute, for its activations' memory (the planner prices both). Unset: "
-                                "every block. Not with activation_offload.")
+                                "every block. With activation_offload the first N blocks' inputs go to the host; the "
+                                "others keep their activations on the GPU.")
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode for each block (with parallel.compile): reduce-overhead adds "
@@ -265,9 +266,6 @@ class ParallelConfig(_Section):
         if self.checkpoint_blocks is not None and self.activation_checkpointing != "full":
             raise ValueError("parallel.checkpoint_blocks needs parallel.activation_checkpointing=full (it says how "
                              "many blocks full checkpointing takes)")
-        if self.checkpoint_blocks is not None and self.activation_offload:
-            raise ValueError("parallel.checkpoint_blocks is not with parallel.activation_offload yet (the blocks "
-                             "left out would copy all their activations to the host); unset one of them")
         if self.checkpoint_in_compile is True and not self.compile:
             raise ValueError("parallel.checkpoint_in_compile needs parallel.compile=true (it checkpoints inside "
                              "the compiled blocks)")

@@ -17,10 +17,11 @@ pytestmark = pytest.mark.dist
 # hooks outside the checkpoint around each compiled block; zero3:compile:budget, compile's partitioner recomputing
 # under parallel.activation_memory_budget 0.3; :actoff, the saved activations kept in host memory on each rank
 # (parallel.activation_offload: the checkpoint's block inputs, and what the budget keeps of each compiled block);
-# :cb1, full checkpointing of the first block only (parallel.checkpoint_blocks=1), eager and inside compiled blocks
+# :cb1, full checkpointing of the first block only (parallel.checkpoint_blocks=1), eager and inside compiled blocks,
+# and with the offload (the first block's input to the host, the second block's activations on the device)
 FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile", "zero3:ac:compile:around",
         "zero3:compile:budget", "zero3:ac:actoff", "zero3:compile:budget:actoff", "zero3:ac:cb1",
-        "zero3:ac:compile:cb1:aot", "zero3:dir"]
+        "zero3:ac:compile:cb1:aot", "zero3:ac:cb1:actoff", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
 LORA = ["ddp:lora", "zero2:lora", "zero3:lora"]
@@ -58,10 +59,13 @@ def test_fp32_trajectory_matches_unsharded(results, variant):
 
 def test_the_activation_offload_moved_the_ranks_activations(results):
     """The offload variants' parity above is not the offload idling: rank 0 moved its saved activations to the host
-    (the block inputs under the checkpoint; what the budget keeps of each compiled block, more)."""
+    (the block inputs under the checkpoint; what the budget keeps of each compiled block, more; under
+    parallel.checkpoint_blocks=1 the first block's input only, fewer than both blocks' inputs)."""
     _, two = results
-    checkpointed, budget = (two[v]["offloaded_bytes"] for v in ("zero3:ac:actoff", "zero3:compile:budget:actoff"))
+    checkpointed, budget, first = (two[v]["offloaded_bytes"] for v in ("zero3:ac:actoff", "zero3:compile:budget:actoff",
+                                                                        "zero3:ac:cb1:actoff"))
     assert 0 < checkpointed < budget
+    assert 0 < first < checkpointed  # without the pause, the second block's activations would go too
 
 
 def test_hsdp_matches_unsharded_and_shards_within_groups(results):

@@ -297,15 +297,18 @@ def test_activation_offload_bounds_the_copies_back_the_host_queues(monkeypatch, 
 
 @pytest.mark.parametrize("checkpointing, compiled, inside", [("full", False, "auto"), ("none", False, "auto"),
                                                               ("full", True, "true"), ("full", True, "false"),
-                                                              ("none", True, "auto")])
+                                                              ("none", True, "auto"), ("cb2", False, "auto"),
+                                                              ("cb2", True, "true")])
 def test_activation_offload_on_the_gpu_keeps_the_loss_and_gradients(checkpointing, compiled, inside):
     """The tiny model in fp32 on the GPU, every saved tensor through the side-stream copies: the loss and
     gradients of the run without offload (compiled blocks: of the compiled run without offload), the checkpoint
     inside the compiled blocks (the hooks take what the compiled code saves; what this case ran before the
     parameter, offload_test_model's config leaving the offload out: passed in call 96) or around them, or none
-    under a memory budget of 0.3 (the hooks take what the budget keeps; forty-second session)."""
-    overrides = [f"parallel.activation_checkpointing={checkpointing}", f"parallel.compile={str(compiled).lower()}",
-                 f"parallel.checkpoint_in_compile={inside}"]
+    under a memory budget of 0.3 (the hooks take what the budget keeps; forty-second session); cb2: the first 2
+    of the 4 blocks checkpointed (parallel.checkpoint_blocks), the hooks off from the third (forty-fifth)."""
+    overrides = [f"parallel.compile={str(compiled).lower()}", f"parallel.checkpoint_in_compile={inside}"]
+    overrides += (["parallel.activation_checkpointing=full", "parallel.checkpoint_blocks=2"] if checkpointing == "cb2"
+                  else [f"parallel.activation_checkpointing={checkpointing}"])
     if compiled and checkpointing == "none":
         overrides.append("parallel.activation_memory_budget=0.3")
     ids = torch.randint(0, 250, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()

@@ -110,6 +110,60 @@ def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(where: str,
     assert hooks.moved_bytes >= inputs_bytes * (2 if where == "budget" else 1)  # more than the inputs are kept
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_offload_under_checkpoint_blocks_moves_the_checkpointed_blocks_only(compiled: bool, without_inductor) -> None:
+    """parallel.checkpoint_blocks with the offload: the first N blocks' saved tensors (their inputs) go to the host;
+    the blocks left out, whose activations backward reads first, and the final norm keep theirs on the device;
+    the loss and gradients of the run without the offload, over two steps (eager, and the checkpoint inside
+    compiled blocks, as on the GPU)."""
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+    overrides = ["parallel.activation_checkpointing=full", "parallel.checkpoint_blocks=2"] + (
+        ["parallel.compile=true", "parallel.checkpoint_in_compile=true"] if compiled else [])
+    check_combination(load_config(TINY, [*overrides, "parallel.activation_offload=true"]))
+    results, where, moved_at = [], [None], []
+    for offload in (False, True):
+        model, blocks, hooks = offload_test_model(overrides, "cpu", offload)
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda _m, _a, index=index: where.__setitem__(0, index))
+        model.model.norm.register_forward_pre_hook(lambda _m, _a: where.__setitem__(0, "norm"))
+        if hooks is not None:
+            pack = hooks.pack_hook
+
+            def noting_pack(tensor, pack=pack):
+                packed = pack(tensor)
+                if packed[0]:
+                    moved_at.append(where[0])
+                return packed
+
+            hooks.pack_hook = noting_pack
+        losses = []
+        for _ in range(2):
+            where[0] = None
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        results.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_losses, plain_grads), (losses, grads) = results
+    assert losses == plain_losses
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+    assert {0, 1} <= set(moved_at) <= {None, 0, 1}  # blocks 2-3 (of 4) and the norm: none moved
+    assert hooks.moved_bytes >= 2 * 2 * ids.numel() * model.config.hidden_size * 4  # two inputs, two steps
+
+
+@pytest.mark.parametrize(("blocks", "until"), [(None, None), (3, 3), (4, None), (0, 0)])
+def test_the_offload_goes_off_at_the_first_block_left_out_of_the_checkpoint(blocks, until, monkeypatch) -> None:
+    """checkpoint_and_compile hands the offload the first block parallel.checkpoint_blocks leaves out (none where
+    every block of tiny-llama's 4 is checkpointed)."""
+    seen = {}
+    real = prepare.offload_activations
+    monkeypatch.setattr(prepare, "offload_activations", lambda *a, **kw: seen.update(kw) or real(*a, **kw))
+    extra = [] if blocks is None else [f"parallel.checkpoint_blocks={blocks}"]
+    _, layers, _ = offload_test_model(["parallel.activation_checkpointing=full", "parallel.activation_offload=true",
+                                       *extra])
+    assert seen["until"] is (None if until is None else layers[until])
+
+
 def test_small_tensors_and_the_default_threshold_stay() -> None:
     model, blocks, _ = _model("full", False)
     hooks = prepare.offload_activations(model, blocks, "cpu")  # 1 MiB: a tiny model's tensors are all smaller
@@ -210,6 +264,30 @@ def test_the_planner_moves_the_block_inputs_to_the_host() -> None:
     # smaller memory (its tie-break); the difference is the exposed share.
     fast, slow = step_time(shape, base, h200), step_time(shape, on, h200)
     assert slow.seconds - fast.seconds == pytest.approx(OFFLOAD_EXPOSED * copies)
+
+
+def test_the_planner_moves_the_checkpointed_blocks_inputs_only_under_checkpoint_blocks() -> None:
+    """parallel.checkpoint_blocks with the offload (8B LoRA, table 2's micro-batch, compiled, the checkpoint
+    inside): the N checkpointed blocks' inputs go to the host, the blocks left out keep their activations on the
+    GPU and the final norm its saved tensors, and the copies price N inputs; where the last blocks' backward
+    starts (their activations and the N inputs alive: the peak of this Setting's FSDP2 path) the GPU holds the
+    same as without the offload less the N inputs."""
+    shape = model_shape(preset_config("llama-3-8b"))
+    tokens, n = 4096, 28
+    plain = Setting(peft="lora", micro_batch_size=2, seq_len=2048, fused_loss=True, compile=True,
+                    activation_checkpointing="full", checkpoint_in_compile=True, checkpoint_blocks=n)
+    moved = Setting(**{**plain.__dict__, "activation_offload": True})
+    every = Setting(**{**moved.__dict__, "checkpoint_blocks": None})
+    inputs = n * 2 * shape.hidden * tokens
+    assert offloaded_activations(shape, moved) == inputs
+    assert offloaded_activations(shape, every) == shape.layers * 2 * shape.hidden * tokens
+    assert gpu_memory(shape, moved).host["activations"] == inputs  # the final norm stays on the GPU
+    kept, off = gpu_memory(shape, plain), gpu_memory(shape, moved)
+    assert kept.phase == off.phase == "backward start"
+    assert kept.allocated - off.allocated == pytest.approx(inputs)
+    h100 = lookup("h100")
+    assert offload_seconds(shape, moved, h100, compute=1.0) == pytest.approx(
+        OFFLOAD_EXPOSED * 2 * inputs / h100.h2d_bytes_per_s)
 
 
 def test_the_planner_prices_the_offload_with_the_checkpoint_inside_or_around() -> None:

@@ -1003,17 +1003,16 @@ def test_checkpointing_the_first_blocks_only_sits_between_full_and_none(eight_b:
 
 def test_checkpoint_blocks_is_refused_in_one_line_where_it_has_no_meaning() -> None:
     for extra, match in ((["parallel.activation_checkpointing=none"], "needs parallel.activation_checkpointing=full"),
-                         (["parallel.activation_checkpointing=selective"], "needs parallel.activation_checkpointing"),
-                         (["parallel.activation_checkpointing=full", "parallel.activation_offload=true"],
-                          "not with parallel.activation_offload")):
+                         (["parallel.activation_checkpointing=selective"], "needs parallel.activation_checkpointing")):
         with pytest.raises(ShardtuneError, match=match) as err:
             _cfg("parallel.checkpoint_blocks=2", *extra)
         assert "\n" not in str(err.value)
 
 
 def test_strategy_auto_keeps_checkpoint_blocks_where_full_checkpointing_runs() -> None:
-    """The search prices the config's parallel.checkpoint_blocks with full checkpointing only (none, selective and
-    the activation offload run without it), and writes a pick the config's own check accepts, its workers too."""
+    """The search prices the config's parallel.checkpoint_blocks with full checkpointing only (none and selective
+    run without it; the activation offload with it), and writes a pick the config's own check accepts, its workers
+    too."""
     from shardtune.plan import auto_overrides
 
     given = ["model.preset=llama-3-8b", "peft.method=lora", "parallel.compile=true", "train.micro_batch_size=2",
@@ -1021,10 +1020,13 @@ def test_strategy_auto_keeps_checkpoint_blocks_where_full_checkpointing_runs() -
     cfg = _cfg(*given)
     resolved, plan = resolve_auto(cfg, preset_config("llama-3-8b"), lookup("h100"), world=1, per_node=1)
     p = resolved.parallel
-    assert (p.checkpoint_blocks == 29) == (p.activation_checkpointing == "full" and not p.activation_offload)
+    assert (p.checkpoint_blocks == 29) == (p.activation_checkpointing == "full")
     assert {c.setting.checkpoint_blocks for c in plan.result.candidates
-            if c.setting.activation_checkpointing != "full" or c.setting.activation_offload} == {None}
-    assert any(c.setting.checkpoint_blocks == 29 for c in plan.result.candidates)
+            if c.setting.activation_checkpointing != "full"} == {None}
+    assert {c.setting.checkpoint_blocks for c in plan.result.candidates
+            if c.setting.activation_checkpointing == "full"} == {29}
+    assert any(c.setting.activation_offload for c in plan.result.candidates
+               if c.setting.activation_checkpointing == "full")
     type(p).model_validate(p.model_dump())  # the pick as written passes the section's own checks
     worker = _cfg(*given, *auto_overrides(resolved, plan.auto))  # what the launcher's workers load
     assert worker.parallel.checkpoint_blocks == p.checkpoint_blocks

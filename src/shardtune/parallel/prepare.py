@@ -253,26 +253,41 @@ def with_layout(flat: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], 
 
 
 def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: str,
-                        min_bytes: int = OFFLOAD_MIN_BYTES, overlap: bool = True) -> ActivationOffload:
+                        min_bytes: int = OFFLOAD_MIN_BYTES, overlap: bool = True,
+                        until: nn.Module | None = None) -> ActivationOffload:
     """parallel.activation_offload: the offload hooks are on while the decoder (the module holding the blocks)
     runs its forward, so the blocks' saved tensors go to the host, and with full checkpointing the blocks'
     inputs, which non-reentrant checkpointing saves through autograd before its own hooks take over. The LM
-    head and the loss stay outside: their tensors are needed at once in backward (the logits are the largest)."""
+    head and the loss stay outside: their tensors are needed at once in backward (the logits are the largest).
+    `until`, a block: the hooks go off as it starts (parallel.checkpoint_blocks: the blocks left out of the
+    checkpoint keep their activations on the GPU, where backward reads them first, and the final norm's too)."""
     decoder = next(m for m in model.modules()
                    if any(isinstance(c, nn.ModuleList) and any(b is blocks[0] for b in c) for c in m.children()))
     offload = ActivationOffload(device_type, min_bytes, overlap)
+    on = [False]
 
     def start(*_: Any) -> None:  # a pre-hook's return value would replace the forward's arguments
         offload.coming_back.clear()  # the last backward's: run by now
         offload.__enter__()
+        on[0] = True
+
+    # a hook on a compiled block runs inside its compiled call: Dynamo breaks the graph there (the saved-tensor
+    # hooks' stack is not traced) and resumes with the block's forward, one block in the run
+    @torch.compiler.disable
+    def pause(*_: Any) -> None:
+        if on[0]:
+            offload.__exit__(None, None, None)
+            on[0] = False
 
     def stop(*_: Any) -> None:  # the graph holds the copies; the table of them is only for this forward
-        offload.__exit__(None, None, None)
+        pause()
         offload.copies.clear()
         offload.settle()
 
     decoder.register_forward_pre_hook(start)
     decoder.register_forward_hook(stop, always_call=True)
+    if until is not None:
+        until.register_forward_pre_hook(pause)
     return offload
 
 
@@ -286,7 +301,10 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     parallel.checkpoint_in_compile false, or auto with activation offload) or inside it (the compiled backward
     recomputes; the default, and always for selective: parallel.checkpoint_traced). The block's hooks (FSDP2's,
     DeepSpeed's) stay outside the checkpoint, as torchtitan's checkpoint wrapper keeps them."""
-    offload = offload_activations(model, blocks, device_type) if parallel.activation_offload else None
+    last = len(blocks) if parallel.checkpoint_blocks is None else min(parallel.checkpoint_blocks, len(blocks))
+    offload = None
+    if parallel.activation_offload:  # the checkpointed blocks' inputs (all saved tensors without a checkpoint)
+        offload = offload_activations(model, blocks, device_type, until=blocks[last] if last < len(blocks) else None)
     mode, traced = parallel.activation_checkpointing, checkpoint_traced(parallel)
     if parallel.compile:
         set_memory_budget(parallel.activation_memory_budget)
@@ -296,7 +314,6 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     compiled_around = parallel.compile and mode != "none" and not traced
     if parallel.compile:
         one_graph_for_every_block(model)
-    last = len(blocks) if parallel.checkpoint_blocks is None else parallel.checkpoint_blocks
     for index, block in enumerate(blocks):
         checkpointed = mode != "none" and index < last  # parallel.checkpoint_blocks: the first N only
         if checkpointed:

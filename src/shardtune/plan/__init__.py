@@ -212,7 +212,7 @@ def config_for(cfg: Any, s: Setting) -> Any:
 
 def write_strategy(parallel: Any, s: Setting) -> None:
     """The knobs `parallel.strategy: auto` picks, written into `parallel` as the setting runs them."""
-    parallel.checkpoint_blocks = None  # first out, last in: the config's check refuses it beside none or the offload
+    parallel.checkpoint_blocks = None  # first out, last in: the config's check refuses it beside none or selective
     parallel.backend, parallel.strategy, parallel.offload = s.backend, s.strategy, s.offload
     parallel.activation_offload = s.activation_offload
     set_checkpointing(parallel, s)

@@ -231,12 +231,21 @@ def offloaded_activations(m: ModelShape, s: Setting) -> float:
     """Bytes parallel.activation_offload keeps on the host instead of the GPU, per micro-batch
     (parallel/prepare.py): the blocks' inputs under full or selective checkpointing (non-reentrant checkpointing
     saves them through autograd, where the offload hooks see them; selective's saved outputs stay in its own
-    cache on the GPU); without checkpointing everything the blocks save."""
+    cache on the GPU); without checkpointing everything the blocks save. Under parallel.checkpoint_blocks the
+    hooks go off at the first block left out: the N checkpointed blocks' inputs only."""
     if not s.activation_offload:
         return 0.0
     if s.activation_checkpointing == "none":
         return activations(m, s)[0]
-    return float(m.layers * s.compute_bytes * m.hidden * s.tokens)
+    taken = s.checkpointed_layers(m.layers) if s.activation_checkpointing == "full" else m.layers
+    return float(taken * s.compute_bytes * m.hidden * s.tokens)
+
+
+def norm_offloaded(m: ModelShape, s: Setting) -> bool:
+    """Whether parallel.activation_offload moves the final norm's saved tensors too: its hooks are on to the
+    decoder's end, unless parallel.checkpoint_blocks leaves blocks out (the hooks go off at the first of them)."""
+    return s.activation_offload and not (s.activation_checkpointing == "full"
+                                         and s.checkpointed_layers(m.layers) < m.layers)
 
 
 def offload_returned(m: ModelShape, s: Setting) -> float:
@@ -425,7 +434,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     lent = host_head_bytes(m, s)
     start_saved, start_recompute, start_transient = _backward_start(m, s, saved, recompute, transient)
     # the final norm's saved tensors, alive at forward's end (their backward runs first; the offload moves them)
-    norm = 0.0 if s.activation_offload else final_norm_bytes(m, s)
+    norm = 0.0 if norm_offloaded(m, s) else final_norm_bytes(m, s)
     phases = {
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved + norm, "logits": logits,
                         "buffers": buffers},
@@ -460,12 +469,14 @@ def _backward_start(m: ModelShape, s: Setting, saved: float, recompute: float,
     parallel.checkpoint_blocks the last blocks keep their activations, so backward starts without a recompute;
     the first recompute (block N-1's) comes once their activations are freed, with the N blocks' inputs alive:
     the larger of the two. 8B LoRA with 31 of 32 blocks checkpointed peaked at 16.96 GiB against the defaults'
-    16.98 (call 134), where backward's start alone said 16.22."""
+    16.98 (call 134), where backward's start alone said 16.22. With parallel.activation_offload the N inputs are
+    on the host (one comes back at a time, as under full checkpointing of every block)."""
     taken = s.checkpointed_layers(m.layers) if s.activation_checkpointing == "full" else m.layers
     if taken == m.layers:
         return saved, recompute, transient
     kept_start = (saved, 0.0, backward_transient(m, s.replace(activation_checkpointing="none")))
-    first_recompute = (float(taken * s.compute_bytes * m.hidden * s.tokens), recompute, transient)
+    first_recompute = (float(taken * s.compute_bytes * m.hidden * s.tokens) - offloaded_activations(m, s), recompute,
+                       transient)
     return max(kept_start, first_recompute, key=sum)
 
 
@@ -507,7 +518,8 @@ def host_memory(m: ModelShape, s: Setting, states: dict[str, float], offloaded: 
     if s.head_on_host(m):  # peft.offload_head's pinned copy, in each process
         host["head"] = host_head_bytes(m, s) * s.per_node
     if s.activation_offload:  # pinned copies of one micro-batch's
-        host["activations"] = (offloaded_activations(m, s) + final_norm_bytes(m, s)) * s.per_node
+        norm = final_norm_bytes(m, s) if norm_offloaded(m, s) else 0.0
+        host["activations"] = (offloaded_activations(m, s) + norm) * s.per_node
     if s.async_checkpoint:
         trainable = m.params if s.peft == "none" else m.lora_params
         per_param = 4.0 + (ADAMW8BIT_BYTES if s.optim == "adamw8bit" else 8.0)

@@ -96,8 +96,8 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
                 # (8B LoRA, budget 0.3, calls 127-128: no faster than full checkpointing, planner within 7%), not
                 # at the long sequences where the search would take it, moving 170-430 GiB a step over PCIe
                 continue
-            # parallel.checkpoint_blocks: the config's, under full checkpointing without the offload (what it runs with)
-            blocks = base.checkpoint_blocks if ac == "full" and not moved else None
+            # parallel.checkpoint_blocks: the config's, under full checkpointing (what it runs with)
+            blocks = base.checkpoint_blocks if ac == "full" else None
             s = base.replace(backend=backend, strategy=strategy, offload=offload, activation_checkpointing=ac,
                              checkpoint_blocks=blocks, memory_budget=budget, activation_offload=moved,
                              micro_batch_size=mb,
