@@ -237,15 +237,13 @@ def offloaded_activations(m: ModelShape, s: Setting) -> float:
         return 0.0
     if s.activation_checkpointing == "none":
         return activations(m, s)[0]
-    taken = s.checkpointed_layers(m.layers) if s.activation_checkpointing == "full" else m.layers
-    return float(taken * s.compute_bytes * m.hidden * s.tokens)
+    return float(s.checkpointed_layers(m.layers) * s.compute_bytes * m.hidden * s.tokens)
 
 
 def norm_offloaded(m: ModelShape, s: Setting) -> bool:
     """Whether parallel.activation_offload moves the final norm's saved tensors too: its hooks are on to the
     decoder's end, unless parallel.checkpoint_blocks leaves blocks out (the hooks go off at the first of them)."""
-    return s.activation_offload and not (s.activation_checkpointing == "full"
-                                         and s.checkpointed_layers(m.layers) < m.layers)
+    return s.activation_offload and not 0 < s.checkpointed_layers(m.layers) < m.layers
 
 
 def offload_returned(m: ModelShape, s: Setting) -> float:
