@@ -41,6 +41,25 @@ def _recording(pack, moved: list):
     return recording_pack
 
 
+def _two_steps(model, ids, before_each=lambda: None) -> tuple[list[float], dict]:
+    """Two steps' losses and the gradients summed over them."""
+    losses = []
+    for _ in range(2):
+        before_each()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_training(results: list) -> None:
+    """The run with the offload (second) gave the run without its losses and gradients, to the bit."""
+    (plain_losses, plain_grads), (losses, grads) = results
+    assert losses == plain_losses
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("checkpointing", ["full", "none"])
 def test_offload_keeps_the_loss_and_gradients_and_moves_the_block_inputs(checkpointing: str) -> None:
     ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -95,16 +114,9 @@ def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(where: str,
             block.register_forward_pre_hook(lambda _module, args: inputs.append(args[0].untyped_storage().data_ptr()))
         if hooks is not None:
             hooks.pack_hook = _recording(hooks.pack_hook, moved)
-        losses, inputs[:] = [], []
-        for _ in range(2):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
-        results.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (plain_losses, plain_grads), (losses, grads) = results
-    assert losses == plain_losses
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+        inputs[:] = []
+        results.append(_two_steps(model, ids))
+    _assert_same_training(results)
     assert set(inputs) <= {t.untyped_storage().data_ptr() for t in moved}  # both steps' block inputs
     inputs_bytes = 2 * len(blocks) * ids.numel() * model.config.hidden_size * 4
     assert hooks.moved_bytes >= inputs_bytes * (2 if where == "budget" else 1)  # more than the inputs are kept
@@ -136,17 +148,8 @@ def test_offload_under_checkpoint_blocks_moves_the_checkpointed_blocks_only(comp
                 return packed
 
             hooks.pack_hook = noting_pack
-        losses = []
-        for _ in range(2):
-            where[0] = None
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
-        results.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (plain_losses, plain_grads), (losses, grads) = results
-    assert losses == plain_losses
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+        results.append(_two_steps(model, ids, lambda: where.__setitem__(0, None)))
+    _assert_same_training(results)
     assert {0, 1} <= set(moved_at) <= {None, 0, 1}  # blocks 2-3 (of 4) and the norm: none moved
     assert hooks.moved_bytes >= 2 * 2 * ids.numel() * model.config.hidden_size * 4  # two inputs, two steps
 
