@@ -176,8 +176,7 @@ def offload_test_model(overrides: list[str], device: str = "cpu", offload: bool 
     restore_buffers(model, torch.device(device))
     model.train()
     blocks = list(model.model.layers)
-    last = cfg.parallel.checkpoint_blocks  # parallel.checkpoint_blocks: the hooks off from the first block left out
-    until = blocks[last] if last is not None and last < len(blocks) else None
+    until = prepare.first_left_out(blocks, cfg.parallel)  # parallel.checkpoint_blocks: the hooks off from there
     hooks = prepare.offload_activations(model, blocks, device, min_bytes=0, until=until) if offload else None
     prepare.checkpoint_and_compile(model, blocks, cfg.parallel, device)
     return model, blocks, hooks

@@ -291,6 +291,12 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
     return offload
 
 
+def first_left_out(blocks: list[nn.Module], parallel: ParallelConfig) -> nn.Module | None:
+    """The first block parallel.checkpoint_blocks leaves out of full checkpointing; None where it leaves none."""
+    last = parallel.checkpoint_blocks
+    return blocks[last] if last is not None and last < len(blocks) else None
+
+
 def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
                            device_type: str = "cpu") -> ActivationOffload | None:
     """Checkpointing, then compile of each block; with parallel.activation_offload the offload hooks (returned).
@@ -304,7 +310,7 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     last = len(blocks) if parallel.checkpoint_blocks is None else min(parallel.checkpoint_blocks, len(blocks))
     offload = None
     if parallel.activation_offload:  # the checkpointed blocks' inputs (all saved tensors without a checkpoint)
-        offload = offload_activations(model, blocks, device_type, until=blocks[last] if last < len(blocks) else None)
+        offload = offload_activations(model, blocks, device_type, until=first_left_out(blocks, parallel))
     mode, traced = parallel.activation_checkpointing, checkpoint_traced(parallel)
     if parallel.compile:
         set_memory_budget(parallel.activation_memory_budget)
