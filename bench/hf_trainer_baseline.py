@@ -114,11 +114,16 @@ def main() -> None:
     times: list[float] = []
     steps: list[dict] = []  # each timed step's time and, where NVML answers, the GPU's power, SM clock, heat
     sampler = _sampler() if gpu and int(os.environ.get("RANK", 0)) == 0 else None
+    steady_peak: list[tuple[float, float]] = []  # the warm-up steps' peaks, read before the counters start again
 
     class Timer(TrainerCallback):
         def on_step_begin(self, a, s, c, **kw):
             if gpu:
                 torch.cuda.synchronize()
+                if s.global_step == args.warmup:  # the timed steps' own peak from here (shardtune's records too)
+                    steady_peak.append((torch.cuda.max_memory_allocated() / 2**30,
+                                        torch.cuda.max_memory_reserved() / 2**30))
+                    torch.cuda.reset_peak_memory_stats()
             if sampler:
                 sampler.take()  # the samples between steps are not this step's
             self.t0 = time.perf_counter()
@@ -138,8 +143,10 @@ def main() -> None:
     Trainer(model=model, args=targs, train_dataset=data, callbacks=[Timer()]).train()
     if sampler:
         sampler.close()
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
-                         torch.cuda.max_memory_reserved() / 2**30 if gpu else 0.0], device="cuda" if gpu else "cpu")
+    timed = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) if gpu else (0, 0)
+    warm = steady_peak[0] if steady_peak else (0.0, 0.0)
+    # [the run's allocated peak, the timed steps' own, the run's reserved peak]
+    peak = torch.tensor([max(timed[0], warm[0]), timed[0], max(timed[1], warm[1])], device="cuda" if gpu else "cpu")
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     med = sorted(times)[len(times) // 2] if times else float("nan")
@@ -160,7 +167,8 @@ def main() -> None:
                                       "tokens_per_s_per_gpu_max": round(args.mbs * args.seq / min(times))
                                       if times else None,
                                       "peak_alloc_gib": round(float(peak[0]), 2),
-                                      "peak_reserved_gib": round(float(peak[1]), 2),
+                                      "peak_alloc_steady_gib": round(float(peak[1]), 2),
+                                      "peak_reserved_gib": round(float(peak[2]), 2),
                                       "steps": steps}), flush=True)
 
 

@@ -44,8 +44,8 @@ python3 - "$O/rows.jsonl" > "$O/table.md" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
 hf = next((r["tokens_per_s_per_gpu"] for r in rows if r.get("who") == "hf_peft" and r.get("rc") == 0), None)
-print("| run | rc | tokens/s (min-max) | vs HF + PEFT + Liger | peak alloc GiB | reserved GiB | power W | SM MHz | "
-      "mJ/token |\n|---|---|---|---|---|---|---|---|---|")
+print("| run | rc | tokens/s (min-max) | vs HF + PEFT + Liger | peak alloc GiB | timed steps' GiB | reserved GiB | "
+      "power W | SM MHz | mJ/token |\n|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     t = r.get("tokens_per_s_per_gpu") or 0
     ratio = f"{t / hf:.2f}" if hf and t else "-"
@@ -57,7 +57,8 @@ for r in rows:
     w, clock = median("gpu_power_w"), median("gpu_sm_clock_mhz")
     energy = f"{1000 * w / t:.1f}" if w and t else "-"
     print(f"| {r['tag']}: {r.get('who')} {r.get('method')} | {r.get('rc')} | {t:,.0f} ({r.get('tokens_per_s_per_gpu_min', 0):,.0f}-"
-          f"{r.get('tokens_per_s_per_gpu_max', 0):,.0f}) | {ratio} | {r.get('peak_alloc_gib', 0):.2f} | {r.get('peak_reserved_gib', 0):.2f} | "
+          f"{r.get('tokens_per_s_per_gpu_max', 0):,.0f}) | {ratio} | {r.get('peak_alloc_gib', 0):.2f} | "
+          f"{r.get('peak_alloc_steady_gib') or 0:.2f} | {r.get('peak_reserved_gib', 0):.2f} | "
           f"{w:.0f} | {clock:.0f} | {energy} |")
 PY
 tar czf "$O/logs.tgz" -C "$O" --exclude=logs.tgz --exclude=table.md . 2>/dev/null

@@ -35,7 +35,7 @@ PRESETS = {"tiny": ("tiny-llama", 64, "fp32"), "1b": ("llama-3.2-1b", 2048, "bf1
 
 
 STEP_FIELDS = ("step", "step_time_s", "host_s", "data_s", "gc_s", "alloc_retries", "gpu_sm_clock_mhz",
-               "gpu_clock_events", "gpu_power_w", "gpu_util_pct")
+               "gpu_clock_events", "gpu_power_w", "gpu_util_pct", "peak_mem_gib")
 
 # Run flags that are shardtune overrides (the run's tag and label name them).
 FLAG_OVERRIDES = {"sf": "parallel.shard_frozen=false", "dir": "parallel.one_gpu=direct", "ch": "model.liger_chunk=1024"}
@@ -71,6 +71,8 @@ def shardtune_run(method: str, nproc: int, size: str, data: Path, out: Path, ste
             result.update(tokens_per_s_per_gpu=statistics.median(tps), tokens_per_s_per_gpu_min=min(tps),
                           tokens_per_s_per_gpu_max=max(tps), steps_timed=len(tps),
                           peak_alloc_gib=max(r["peak_mem_gib"] for r in recs),
+                          # the timed steps' own (each record its interval's peak): without compile's first step
+                          peak_alloc_steady_gib=max(r["peak_mem_gib"] for r in timed),
                           peak_reserved_gib=max(r["peak_reserved_gib"] for r in recs),
                           # each timed step's record, for where a slow step's time went (the step swings)
                           steps=[{k: r[k] for k in STEP_FIELDS if k in r} for r in timed])
@@ -96,7 +98,7 @@ def baseline_run(method: str, nproc: int, size: str, out: Path, steps: int, mbs:
         r = json.loads(lines[-1][len("RESULT "):])
         result.update({k: r.get(k) for k in ("tokens_per_s_per_gpu", "tokens_per_s_per_gpu_min",
                                              "tokens_per_s_per_gpu_max", "steps_timed", "peak_alloc_gib",
-                                             "peak_reserved_gib", "steps")})
+                                             "peak_alloc_steady_gib", "peak_reserved_gib", "steps")})
     return result
 
 

@@ -24,6 +24,22 @@ def test_bf16_training_on_all_gpus(tmp_path, strategy):
     assert steps[-1]["mfu"] is not None and steps[-1]["peak_mem_gib"] > 0
 
 
+def test_each_record_holds_its_intervals_own_peak():
+    """metrics.jsonl's peak_mem_gib is the interval's own on a GPU: the counters start again at each record, so a
+    1 GiB tensor freed in one interval is not the next one's peak."""
+    from shardtune.train.loop import _peak_memory_gib
+
+    device = torch.device("cuda")
+    _peak_memory_gib(device)
+    big = torch.empty(2**30, dtype=torch.uint8, device=device)
+    del big
+    first = _peak_memory_gib(device)[0]
+    small = torch.empty(2**20, dtype=torch.uint8, device=device)
+    del small
+    second = _peak_memory_gib(device)[0]
+    assert first - second == pytest.approx(1.0, abs=0.01)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_profiled_steps_give_the_collectives_achieved_bus_bandwidth(tmp_path):
     """log.profile on 2 GPUs (zero3): the NCCL kernels of the profiled steps and the comm counter's bytes give each

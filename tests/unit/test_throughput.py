@@ -158,6 +158,13 @@ def test_the_throughput_line_on_a_gpu_shows_mfu_and_both_peaks():
     assert line.startswith("throughput: 52,800 tokens/s (52,800 per device, 52,000-53,000), MFU 50.0%, "
                            "peak memory 27.1 GiB allocated, 30.1 GiB reserved; median of 3 logged intervals "
                            "from step 10"), line
+    # each record is its interval's own peak on a GPU: where the first interval (compile) held the most, the line
+    # gives the steady steps' peak beside the run's
+    history[0]["peak_mem_gib"] = 27.6
+    t = throughput(history)
+    assert (t["peak_mem_gib"], t["steady_peak_mem_gib"]) == (27.6, 27.1)
+    assert "peak memory 27.6 GiB allocated (27.1 from step 10), 30.1 GiB reserved;" in throughput_line(t, "cuda")
+    assert "(27.1 from" not in throughput_line(t, "cpu")  # RSS only grows: no steady peak of its own
 
 
 def test_allocator_retries_are_the_intervals_own_and_summed_over_ranks(monkeypatch):

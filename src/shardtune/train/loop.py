@@ -652,6 +652,7 @@ def throughput(history: list[dict[str, Any]]) -> dict[str, Any] | None:
             "mfu": statistics.median(mfus) if mfus else None,
             "peak_mem_gib": max(r["peak_mem_gib"] for r in history),
             "peak_reserved_gib": max(r["peak_reserved_gib"] for r in history),
+            "steady_peak_mem_gib": max(r["peak_mem_gib"] for r in steady),  # without the first interval's compile
             "step_time_s": statistics.median(r["step_time_s"] for r in steady),
             "intervals": len(steady), "from_step": steady[0]["step"]}
 
@@ -659,7 +660,10 @@ def throughput(history: list[dict[str, Any]]) -> dict[str, Any] | None:
 def throughput_line(t: dict[str, Any], device_type: str) -> str:
     """The last line of a run: the numbers a user compares runs by."""
     mfu = f", MFU {t['mfu']:.1%}" if t["mfu"] is not None else ""
-    memory = (f"peak memory {t['peak_mem_gib']:.1f} GiB allocated, {t['peak_reserved_gib']:.1f} GiB reserved"
+    steady = t.get("steady_peak_mem_gib", t["peak_mem_gib"])
+    after = f" ({steady:.1f} from step {t['from_step']})" if device_type == "cuda" and \
+        t["peak_mem_gib"] - steady >= 0.05 else ""  # the first interval's compile held more
+    memory = (f"peak memory {t['peak_mem_gib']:.1f} GiB allocated{after}, {t['peak_reserved_gib']:.1f} GiB reserved"
               if device_type == "cuda" else f"peak memory {t['peak_mem_gib']:.1f} GiB (host RSS)")
     return (f"throughput: {t['tokens_per_sec']:,.0f} tokens/s ({t['tokens_per_sec_per_device']:,.0f} per device, "
             f"{t['tokens_per_sec_min']:,.0f}-{t['tokens_per_sec_max']:,.0f}){mfu}, {memory}; median of "
@@ -878,9 +882,14 @@ def _alloc_retries(device: torch.device) -> int:
 
 
 def _peak_memory_gib(device: torch.device) -> list[float]:
-    """[allocated, reserved] peak on a GPU; on a CPU both are the process's peak resident set size."""
+    """[allocated, reserved] peak on a GPU since the last logged interval (the counters start again here, as
+    torchtitan's memory monitor does after each log: the first interval holds compile's transients, the later ones
+    a step's own; the run's peak is the max over intervals); on a CPU both are the process's peak resident set
+    size, which cannot start again."""
     if device.type == "cuda":
-        return [torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
+        peak = [torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     return [rss, rss]
 
