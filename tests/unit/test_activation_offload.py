@@ -285,6 +285,9 @@ def test_the_planner_moves_the_checkpointed_blocks_inputs_only_under_checkpoint_
     assert offloaded_activations(shape, moved) == inputs
     assert offloaded_activations(shape, every) == shape.layers * 2 * shape.hidden * tokens
     assert gpu_memory(shape, moved).host["activations"] == inputs  # the final norm stays on the GPU
+    # none checkpointed (N = 0): the hooks go off at the first block, so nothing goes to the host
+    assert offloaded_activations(shape, moved.replace(checkpoint_blocks=0)) == 0
+    assert gpu_memory(shape, moved.replace(checkpoint_blocks=0)).host["activations"] == 0
     kept, off = gpu_memory(shape, plain), gpu_memory(shape, moved)
     assert kept.phase == off.phase == "backward start"
     assert kept.allocated - off.allocated == pytest.approx(inputs)

@@ -243,7 +243,7 @@ def offloaded_activations(m: ModelShape, s: Setting) -> float:
 def norm_offloaded(m: ModelShape, s: Setting) -> bool:
     """Whether parallel.activation_offload moves the final norm's saved tensors too: its hooks are on to the
     decoder's end, unless parallel.checkpoint_blocks leaves blocks out (the hooks go off at the first of them)."""
-    return s.activation_offload and not 0 < s.checkpointed_layers(m.layers) < m.layers
+    return s.activation_offload and not s.blocks_left_out(m.layers)
 
 
 def offload_returned(m: ModelShape, s: Setting) -> float:
@@ -469,9 +469,9 @@ def _backward_start(m: ModelShape, s: Setting, saved: float, recompute: float,
     the larger of the two. 8B LoRA with 31 of 32 blocks checkpointed peaked at 16.96 GiB against the defaults'
     16.98 (call 134), where backward's start alone said 16.22. With parallel.activation_offload the N inputs are
     on the host (one comes back at a time, as under full checkpointing of every block)."""
-    taken = s.checkpointed_layers(m.layers) if s.activation_checkpointing == "full" else m.layers
-    if taken == m.layers:
+    if not s.blocks_left_out(m.layers):
         return saved, recompute, transient
+    taken = s.checkpointed_layers(m.layers)
     kept_start = (saved, 0.0, backward_transient(m, s.replace(activation_checkpointing="none")))
     first_recompute = (float(taken * s.compute_bytes * m.hidden * s.tokens) - offloaded_activations(m, s), recompute,
                        transient)

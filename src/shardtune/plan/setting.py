@@ -132,6 +132,10 @@ class Setting:
             return 0
         return layers if self.checkpoint_blocks is None else min(self.checkpoint_blocks, layers)
 
+    def blocks_left_out(self, layers: int) -> bool:
+        """Whether full checkpointing leaves some of the `layers` blocks out (parallel.checkpoint_blocks under L)."""
+        return self.activation_checkpointing == "full" and self.checkpointed_layers(layers) < layers
+
     @property
     def rules(self) -> Any:
         """The planner's model of this setting's backend (plan/backends.py)."""
