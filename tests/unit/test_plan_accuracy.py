@@ -50,9 +50,15 @@ KNOWN_MISSES = {"1b-ddp-mb4-compile-ligerloss": 0.09, "8b-lora-alt-deepspeed-ddp
 # without checkpointing spread 7,632-10,818 (+20%).
 # Selective checkpointing ran 5-29% under the prediction on every row (with PEFT 20-29%) until its per-layer cost
 # (speed.SELECTIVE_LAYER_S, 2026-12-04, sixteenth session) went in: now within 9%, and none is a miss.
+# The H100's GEMM efficiency fitted to its rows (0.80 -> 0.82, forty-sixth session) raised its prices 2.5%: the
+# host-paced float8 row of call 82 (HOST_BOUND below) went 13.8 -> 16.4% over, and 8B QLoRA at 32,768 tokens under
+# the offload and budget 0.3 (call 138, whose memory the planner prices 3.9% low: a recompute it does not count)
+# 12.7 -> 15.2%.
 SPEED_MISSES = {("16", "1b-zero2-mb2"): 0.20, ("16", "1b-ds-zero3-mb4"): 0.31,
                 ("32", "1b-8bit-alt-mb-fsdp2-zero2-none-none-mb8"): 0.24,
-                ("33", "8b-qlora-alt-mb-fsdp2-zero2-none-none-mb2"): 0.21}
+                ("33", "8b-qlora-alt-mb-fsdp2-zero2-none-none-mb2"): 0.21,
+                ("82", "8b-lora-mb2-ac-compile-ligerloss-float8t-auto"): 0.17,
+                ("138", "8b-qlora-long-offload_budget-32768"): 0.16}
 # parallel.shard_frozen became `auto` (false on one process) after call 40; earlier rows ran with it true unless
 # their overrides say otherwise.
 FROZEN_AUTO_CALL = 41
@@ -238,9 +244,14 @@ def test_the_h100s_full_fine_tuning_with_the_fused_loss_is_priced_within_5_perce
 # 8B LoRA in float8 at micro-batch 2 is paced by the host, whose speed moved between calls on the same H100 (calls
 # 75 and 77, bench/RESULTS.md twenty-sixth session: 13,617 and 11,994 tokens/s, the GPU 50-100% busy below its power
 # cap); the planner prices the GPU's work (13,371). At micro-batch 4 the same runs are GPU-bound (14,545 and 14,551).
-# Call 82 again (the checkpoint around the blocks; its steps -15% / +24% of the median).
-HOST_BOUND = {"77:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.12,
-              "82:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.15}
+# Call 82 again (the checkpoint around the blocks; its steps -15% / +24% of the median). 0.12 and 0.15 until the
+# H100's GEMM efficiency was fitted (forty-sixth session: +2.5% on every H100 price).
+# Call 74's float8 rows, the first on the H100, ran slower than the same settings later (11,672 and 12,578 tokens/s;
+# call 78 the first at 13,867): 5.9% and 6.3% over, 8.2% and 8.7% since the fit.
+HOST_BOUND = {"77:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.15,
+              "82:8b-lora-mb2-ac-compile-ligerloss-float8t-auto": 0.17,
+              "74:8b-lora-mb2-ac-compile-ligerloss-float8t": 0.09,
+              "74:8b-lora-mb2-ac-compile-ligerloss-float8t-base": 0.09}
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_MISSES))
@@ -263,4 +274,5 @@ def test_readme_states_the_accuracy_of_the_rows_on_record() -> None:
     assert f"within 5% on {sum(e <= 0.05 for e in alloc)} and within 10% on all {n}" in readme
     assert max(alloc) <= 0.10
     assert f"within 10% on {sum(e <= 0.10 for e in reserved)} of {len(reserved)}" in readme
-    assert f"within 15% on {sum(e <= 0.15 for e in speed)} of the {len(speed)} with a steady speed" in readme
+    assert (f"Tokens/s within 5% on {sum(e <= 0.05 for e in speed)}, within 10% on {sum(e <= 0.10 for e in speed)} and "
+            f"within 15% on {sum(e <= 0.15 for e in speed)} of the {len(speed)} with a steady speed") in readme
