@@ -968,7 +968,8 @@ def test_checkpointing_the_first_blocks_only_sits_between_full_and_none(eight_b:
     between, each block left out keeps its activations (memory) and skips its recompute (FLOPs and weight passes),
     and backward starts without a recompute, its last block's activations kept; the first recompute follows once
     they are freed, with one block input fewer than full checkpointing's start (8B LoRA, compiled, table 2's
-    micro-batch: one block left out peaked 0.02 GiB under the defaults, call 134; two left out run faster)."""
+    micro-batch: one block left out peaked 0.03 GiB under the defaults, call 134; two left out run faster, at
+    0.11 GiB more, calls 135-136)."""
     from shardtune.plan.speed import weight_passes
 
     layers = eight_b.layers
@@ -992,7 +993,9 @@ def test_checkpointing_the_first_blocks_only_sits_between_full_and_none(eight_b:
     h100 = lookup("h100")
     assert step_time(eight_b, two_out, h100).seconds < step_time(eight_b, full, h100).seconds
     assert gpu_memory(eight_b, full).phase == "backward start"
-    assert gpu_memory(eight_b, two_out).allocated < gpu_memory(eight_b, full).allocated
+    # two left out: the kept blocks' start, their compiled backward's own (memory.COMPILED_BACKWARD), over full's
+    # (17.10 GiB against 16.98, calls 135-136)
+    assert gpu_memory(eight_b, two_out).allocated > gpu_memory(eight_b, full).allocated
     one_out = gpu_memory(eight_b, replace(full, checkpoint_blocks=layers - 1))
     assert one_out.phase == "backward start"
     assert one_out.allocated == pytest.approx(gpu_memory(eight_b, full).allocated - block_input)

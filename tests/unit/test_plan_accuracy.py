@@ -30,7 +30,7 @@ from shardtune.plan.hardware import lookup
 # again under FSDP2 and under parallel.one_gpu: direct (calls 48, 50: -8.4%; direct's peak is FSDP2's to 1 MB),
 # and on the defaults (call 52: -8.4%). The twenty-sixth session's 8B QLoRA at 131,072 tokens with compiled blocks and
 # activation offload was 30% low (12.95 GiB, on an H100): the compiled backward's excess grows with the tokens, about
-# 3.6 x p x f per token (memory.COMPILED_RECOMPUTE); with it every compiled row under checkpointing is within 5%
+# 3.6 x p x f per token (memory.COMPILED_BACKWARD); with it every compiled row under checkpointing is within 5%
 # (LoRA +0.0%, QLoRA -3.5% to -4.1%: its NF4 weights' bf16 copies, ~0.3 GiB).
 # The checkpoint inside the compiled blocks (parallel.checkpoint_in_compile, twenty-seventh session, calls 79-80) holds
 # 0.36-0.57 GiB more than around them (8B LoRA float8 at micro-batch 2 / 4): -3.0% and -4.6% priced alike, within

@@ -67,13 +67,17 @@ PEFT_FLOAT8_SAVED = 1.116
 # fine-tune at 0.5 (call 93) 22.55 GiB (priced 22.59).
 # A CPU probe without adapters kept 0.30 / 0.49 / 0.67 at 0.3 / 0.5 / 0.7 (tests/unit/test_checkpoint_in_compile.py).
 BUDGET_KEPT = ((0.0, 0.0), (0.1, 0.185), (0.3, 0.37), (0.5, 0.52), (1.0, 1.0))
-# Compiled blocks under checkpointing: the recomputed block's backward (one Inductor graph) holds more than the
-# eager count above, by about 3.6 x p x f per token: 8B LoRA at 4,096 tokens 0.39 GiB over (3.56, calls 38-66, seven
-# rows), 8B QLoRA at 131,072 tokens with activation offload 12.95 GiB over (3.70, an H100, call 76, bench/RESULTS.md
-# twenty-sixth session); 8B QLoRA at 4,096 tokens is 0.3 GiB more again (its NF4 weights' bf16 copies, not
-# counted). What the graph keeps is not known: a memory snapshot cannot record these runs (pytorch/pytorch#179536).
-# Counted under selective checkpointing too (not measured there: the larger guess, so a plan errs toward not fitting).
-COMPILED_RECOMPUTE = 3.6
+# A compiled block's backward (one Inductor graph) holds more than the eager count above, by about 3.6 x p x f per
+# token. Fitted under checkpointing: 8B LoRA at 4,096 tokens 0.39 GiB over (3.56, calls 38-66, seven rows), 8B QLoRA
+# at 131,072 tokens with activation offload 12.95 GiB over (3.70, an H100, call 76, bench/RESULTS.md twenty-sixth
+# session); 8B QLoRA at 4,096 tokens is 0.3 GiB more again (its NF4 weights' bf16 copies, not counted). It holds it
+# without a recompute too (forty-sixth session): the blocks parallel.checkpoint_blocks leaves out peaked at backward's
+# start 0.3-0.5 GiB over the eager count (8B LoRA, calls 134-142: 1.1-3.1% low, 0.2-0.4% with it; call 142's probe
+# found the forward's end within 0.11 GiB), and compiled blocks without checkpointing (8B LoRA and QLoRA, 1B full
+# fine-tuning) within 1.3% with it (-1.0% to -0.4% without). What the graph keeps is not known: a memory snapshot
+# cannot record these runs (pytorch/pytorch#179536). Counted under selective checkpointing too (not measured there:
+# the larger guess, so a plan errs toward not fitting).
+COMPILED_BACKWARD = 3.6
 # With the checkpoint inside the compiled blocks (Setting.checkpoint_traced) the backward holds about 3.5 x p x f
 # per token more again. 8B QLoRA on one H100 (calls 109 and 113, bench/RESULTS.md thirty-sixth session), inside less
 # around at the same length: 3.13 / 6.25 GiB at 32,768 / 65,536 tokens, 12.50 GiB at 131,072 with activation offload
@@ -213,17 +217,17 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     backward then makes the gradients of both factors (2pf) before the product's gradient is freed: the saved
     activations less pf plus 3pf, so 2pf per token over the saved ones. Measured (bench/RESULTS.md 2026-12-04):
     8B QLoRA at 327,680 tokens with full checkpointing peaked 17.5 GiB above the recomputed block's saved
-    activations; 2pf x 327,680 tokens is 17.5 GiB. A compiled block's backward under checkpointing holds
-    COMPILED_RECOMPUTE x pf per token more, INSIDE_RECOMPUTE x pf more with the checkpoint inside it, and a
+    activations; 2pf x 327,680 tokens is 17.5 GiB. A compiled block's backward holds COMPILED_BACKWARD x pf per
+    token more (with a recompute or without), INSIDE_RECOMPUTE x pf more with the checkpoint inside it, and a
     compiled QLoRA block NF4_COMPILED_COPIES dequantised weights."""
-    extra = COMPILED_RECOMPUTE if s.compile and s.activation_checkpointing != "none" else 0.0
+    extra = COMPILED_BACKWARD if s.compile else 0.0
     fixed = 0.0  # a compiled QLoRA block's dequantised weights in backward, unless the forward kept them all
     if s.compile and s.peft == "qlora" and not keeps_dequantised(s):
         fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes
     if s.checkpoint_traced:
         extra += INSIDE_RECOMPUTE
     elif s.budget_recompute:  # a recompute inside the compiled backward too: its share of full's
-        extra = s.budget_recompute * (COMPILED_RECOMPUTE + INSIDE_RECOMPUTE)
+        extra = s.budget_recompute * (COMPILED_BACKWARD + INSIDE_RECOMPUTE)
     return (2.0 + extra) * s.compute_bytes * m.ffn * s.tokens + fixed
 
 
