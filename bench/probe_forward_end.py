@@ -1,7 +1,7 @@
 """What is alive at the forward's end of an 8B LoRA step (issue 17: the peak under parallel.checkpoint_blocks was
-0.28-0.32 GiB above the planner's count, calls 134-141). Call 142's answer (bench/probe_forward_end_2026-12-07_call142.txt):
-the forward's end within 0.11 GiB of its price, the rest in the kept blocks' compiled backward (plan/memory.py
-COMPILED_BACKWARD).
+0.28-0.32 GiB above the planner's count, calls 134-141). Call 142's answer
+(bench/probe_forward_end_2026-12-07_call142.txt): the forward's end within 0.11 GiB of its price, the rest in the
+kept blocks' compiled backward (plan/memory.py COMPILED_BACKWARD).
 
 `log.memory_snapshot` cannot record these runs: recording the allocator's history during the recompute of compiled
 blocks fails on PyTorch 2.11 (pytorch/pytorch#179536). This probe records everything but the backward passes: from
