@@ -388,3 +388,39 @@ def test_the_search_moves_activations_to_the_host_where_nothing_else_fits() -> N
     assert compiled.pick.setting.activation_checkpointing == "full"
     assert "fsdp2/zero2/none/activation_offload" not in compiled.to_json()["refused"]  # refused only without it
     assert _long_plan(327680, 64)[1].pick is None  # 83 GiB of pinned host memory needed
+
+
+def test_a_frozen_embeddings_output_is_not_held_beside_its_copy_on_the_host(without_inductor) -> None:
+    """prepare.one_graph_for_every_block: a frozen embedding's output requires grad (so the first block's input
+    is as every other's: one compiled graph for all) without being a leaf. As a leaf its AccumulateGrad node held
+    it until backward, beside the offload's copy of it on the host (32 MiB on the 8B shape at 4,096 tokens, 2.5
+    GiB at 327,680: call 142's probe), and gave it a `.grad` at backward's end. The graphs of the run whose
+    embedding trains; the blocks' gradients of the run without the offload, to the bit."""
+    import weakref
+
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
+    overrides = ["parallel.activation_checkpointing=full", "parallel.compile=true",
+                 "parallel.checkpoint_in_compile=true"]
+    grads, graphs = [], []
+    for offload, frozen in ((False, True), (True, True), (True, False)):
+        torch._dynamo.reset()
+        counters.clear()
+        model, _, _ = offload_test_model(overrides, "cpu", offload)
+        embed = model.get_input_embeddings()
+        embed.weight.requires_grad_(not frozen)
+        made, given = [], []  # the lookup's output, and what the blocks get
+        embed.register_forward_hook(lambda _m, _a, out, made=made: made.append(weakref.ref(out)), prepend=True)
+        embed.register_forward_hook(lambda _m, _a, out, given=given: given.append(weakref.ref(out)))
+        loss = model(input_ids=ids, labels=ids).loss
+        if offload and frozen:
+            assert made[0]() is None and given[0]() is None  # only the host copy is left
+        assert given[0]() is None or given[0]().requires_grad
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None and "embed" not in n})
+    assert graphs[1] == graphs[2] > 0
+    assert grads[1].keys() == grads[0].keys() and grads[1]
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grad, grads[0][name], rtol=0, atol=0, msg=name)

@@ -331,18 +331,40 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
 
 def one_graph_for_every_block(model: nn.Module) -> None:
     """Have the input embedding's output require grad where the embedding is frozen (LoRA, QLoRA), as transformers'
-    `enable_input_require_grads` does. Dynamo guards on whether a block's input requires grad: the first block's
-    came without, every other block's with, so each run compiled the block twice (one block's compile: ~6 s of the
-    8B QLoRA's first step on an H100, 1.6 s of a micro CPU run). The price is the first block's input gradient, its
-    q / k / v input gradients: 0.1% of the 8B's backward."""
+    `enable_input_require_grads` does, but not as a leaf (_RequiresGrad). Dynamo guards on whether a block's input
+    requires grad: the first block's came without, every other block's with, so each run compiled the block twice
+    (one block's compile: ~6 s of the 8B QLoRA's first step on an H100, 1.6 s of a micro CPU run). The price is
+    the first block's input gradient, its q / k / v input gradients: 0.1% of the 8B's backward."""
     embed = getattr(model, "get_input_embeddings", lambda: None)()
     if isinstance(embed, nn.Module):
         embed.register_forward_hook(_output_requires_grad)
 
 
-def _output_requires_grad(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+class _RequiresGrad(torch.autograd.Function):
+    """Its input, as an output that requires grad and is no leaf: the gradient reaching it (the first block's
+    input gradient) goes nowhere, the embedding being frozen. `requires_grad_` made the output a leaf, which its
+    AccumulateGrad node holds until backward, beside the copy the activation offload made of it on the host (the
+    first block's input: 32 MiB on the 8B shape at 4,096 tokens, 2.5 GiB at 327,680; bench/RESULTS.md
+    forty-sixth session, call 142's probe), and which got a `.grad` no one read at backward's end. The output
+    shares the input's memory (`detach`: no view, so in-place use stays allowed)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+# _RequiresGrad's input that requires grad; it never gets a gradient
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+def _output_requires_grad(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor | None:
     if torch.is_grad_enabled() and not output.requires_grad:  # not in evaluation (no_grad)
-        output.requires_grad_(True)
+        return _RequiresGrad.apply(output, _ANCHOR)
+    return None
 
 
 # A decoder block's KV-cache arguments across transformers' releases and models.
