@@ -74,7 +74,7 @@ BUDGET_KEPT = ((0.0, 0.0), (0.1, 0.185), (0.3, 0.37), (0.5, 0.52), (1.0, 1.0))
 # without a recompute too (forty-sixth session): the blocks parallel.checkpoint_blocks leaves out peaked at backward's
 # start 0.3-0.5 GiB over the eager count (8B LoRA, calls 134-142: up to 3.1% low, 0.05-0.41% with it; call 142's probe
 # found the forward's end within 0.11 GiB), and compiled blocks without checkpointing (8B LoRA and QLoRA, 1B full
-# fine-tuning) within 1.3% with it (-1.0% to -0.4% without). What the graph keeps is not known: a memory snapshot
+# fine-tuning) within 1.3% with it (-1.0% to +0.3% without). What the graph keeps is not known: a memory snapshot
 # cannot record these runs (pytorch/pytorch#179536). Counted under selective checkpointing too (not measured there:
 # the larger guess, so a plan errs toward not fitting).
 COMPILED_BACKWARD = 3.6

@@ -143,11 +143,10 @@ def _fewest_checkpointed(m: ModelShape, s: Setting, hw: Any, capacity: float,
     L fit and the config names no N: each block left out keeps its activations and skips its recompute, faster and
     larger (8B LoRA, two of 32 blocks out: +1.4% / +1.7% at 0.12 GiB more, calls 135-136). None where only all L fit
     (N = 0 is no checkpointing, priced on its own). Eager blocks without the activation offload only (a config's N
-    runs with both, priced): compiled blocks left out of the checkpoint peak 0.28-0.35 GiB above their price at
-    forward's end on 8B LoRA at 4,096 tokens (calls 94, 134, 139-141; not found yet), and opened to them the search
-    picks N at 65,536-98,304 tokens, where that gap was never measured; compiled blocks have the memory budgets
-    (SEARCHED_BUDGETS) for the same trade (priced side by side, within 0.1%: 8B LoRA float8 on 32 GiB, the first 11
-    blocks against budget 0.5)."""
+    runs with both, priced): the compiled blocks left out of the checkpoint are priced from 8B LoRA at 4,096 tokens
+    only (their backward's COMPILED_BACKWARD, calls 134-142), and opened to them the search picks N at
+    65,536-98,304 tokens, never measured; compiled blocks have the memory budgets (SEARCHED_BUDGETS) for the same
+    trade (priced side by side, within 0.1%: 8B LoRA float8 on 32 GiB, the first 11 blocks against budget 0.5)."""
     if s.activation_checkpointing != "full" or s.activation_offload or s.checkpoint_blocks is not None or s.compile:
         return None
     low, high, best = 1, m.layers, None  # all `high` blocks checkpointed fit; memory grows as N falls
