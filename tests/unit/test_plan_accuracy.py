@@ -275,3 +275,9 @@ def test_readme_states_the_accuracy_of_the_rows_on_record() -> None:
     assert f"within 10% on {sum(e <= 0.10 for e in reserved)} of {len(reserved)}" in readme
     assert (f"Tokens/s within 5% on {sum(e <= 0.05 for e in speed)}, within 10% on {sum(e <= 0.10 for e in speed)} and "
             f"within 15% on {sum(e <= 0.15 for e in speed)} of the {len(speed)} with a steady speed") in readme
+    # the summary at the top says the same (it had kept an earlier count, 109 of 111)
+    summary = " ".join(readme.split("predicts peak GPU memory", 1)[1].split()[:40])
+    assert summary.startswith(f"within 5% on {sum(e <= 0.05 for e in alloc)} of {n} runs measured on H200s and H100s "
+                              f"and within 10% on all {n} ")
+    assert (f"tokens/s within 15% on {sum(e <= 0.15 for e in speed)} of the {len(speed)} with a steady speed"
+            in summary)
