@@ -291,10 +291,15 @@ def offload_activations(model: nn.Module, blocks: list[nn.Module], device_type: 
     return offload
 
 
+def checkpointed_count(blocks: list[nn.Module], parallel: ParallelConfig) -> int:
+    """How many of the first blocks full checkpointing takes: all, or parallel.checkpoint_blocks of them."""
+    return len(blocks) if parallel.checkpoint_blocks is None else min(parallel.checkpoint_blocks, len(blocks))
+
+
 def first_left_out(blocks: list[nn.Module], parallel: ParallelConfig) -> nn.Module | None:
     """The first block parallel.checkpoint_blocks leaves out of full checkpointing; None where it leaves none."""
-    last = parallel.checkpoint_blocks
-    return blocks[last] if last is not None and last < len(blocks) else None
+    count = checkpointed_count(blocks, parallel)
+    return blocks[count] if count < len(blocks) else None
 
 
 def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig,
@@ -307,7 +312,7 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     parallel.checkpoint_in_compile false, or auto with activation offload) or inside it (the compiled backward
     recomputes; the default, and always for selective: parallel.checkpoint_traced). The block's hooks (FSDP2's,
     DeepSpeed's) stay outside the checkpoint, as torchtitan's checkpoint wrapper keeps them."""
-    last = len(blocks) if parallel.checkpoint_blocks is None else min(parallel.checkpoint_blocks, len(blocks))
+    last = checkpointed_count(blocks, parallel)
     offload = None
     if parallel.activation_offload:  # the checkpointed blocks' inputs (all saved tensors without a checkpoint)
         offload = offload_activations(model, blocks, device_type, until=first_left_out(blocks, parallel))
