@@ -11,7 +11,8 @@ inside the compiled blocks: auto's choice without the offload), `compile_around`
 `offload_compile` both (auto: around; without FSDP2 since call 139, as parallel.one_gpu: auto runs the offload),
 `offload_inside` both with the checkpoint inside the compiled blocks under FSDP2, and `offload_direct` that without
 FSDP2 (parallel.one_gpu=direct), `offload_budget` the offload of compiled blocks
-without a checkpoint under activation_memory_budget 0.3.
+without a checkpoint under activation_memory_budget 0.3, `offload_tiled` and `offload_compile_tiled` the offload with
+each block's MLP in 8,192-token tiles (parallel.tiled_mlp), eager and compiled.
 `--hf` adds Hugging Face Trainer + PEFT + bitsandbytes + Liger (bench/hf_trainer_baseline.py --mode qlora,
 HF_LIGER=1) at the same lengths. A run that
 fails (out of memory) ends that variant's doubling: the longest length that trained is the result. Prints, last,
@@ -47,7 +48,12 @@ VARIANTS = {"plain": [], "offload": ["parallel.activation_offload=true"],
             # no checkpoint, the compiled blocks' saved tensors under a memory budget all on the host (what
             # plan/search.py leaves out at length: 100+ GiB a step over PCIe; measured only at 2,048 tokens)
             "offload_budget": ["parallel.activation_offload=true", "parallel.compile=true",
-                               "parallel.activation_checkpointing=none", "parallel.activation_memory_budget=0.3"]}
+                               "parallel.activation_checkpointing=none", "parallel.activation_memory_budget=0.3"],
+            # each block's MLP in 8,192-token tiles (parallel.tiled_mlp, forty-seventh session): the recomputed
+            # block's working set without the MLP's; eager, and compiled (the checkpoint around, the tiles eager)
+            "offload_tiled": ["parallel.activation_offload=true", "parallel.tiled_mlp=8192"],
+            "offload_compile_tiled": ["parallel.activation_offload=true", "parallel.compile=true",
+                                      "parallel.tiled_mlp=8192"]}
 
 
 def run_overrides(variant: str, seq: int, preset: str, positions: int, data: Path | str, steps: int) -> list[str]:

@@ -9,7 +9,9 @@ Inductor plans buffers with the same scheduler as on GPUs, so the ordering of th
 kernels and fusions differ.
 
     python3 bench/probe_inside_memory.py [--hidden 4096 --ffn 14336 --tokens 1024] [--runs eager,around,inside]
-    (also none, and b5 / b3 / b0: no checkpoint, parallel.activation_memory_budget 0.5 / 0.3 / 0)
+    (also none, and b5 / b3 / b0: no checkpoint, parallel.activation_memory_budget 0.5 / 0.3 / 0; tiled,
+    tiled_around, tiled_none and plain_none: parallel.tiled_mlp of --tile tokens, eager / compiled with the
+    checkpoint around / without checkpointing, and the last without tiles)
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ RUNS = {
     "b5": {"compile": True, "activation_checkpointing": "none", "activation_memory_budget": 0.5},
     "b3": {"compile": True, "activation_checkpointing": "none", "activation_memory_budget": 0.3},
     "b0": {"compile": True, "activation_checkpointing": "none", "activation_memory_budget": 0.0},
+    # parallel.tiled_mlp (--tile tokens a tile): eager, and compiled with the checkpoint around (its auto)
+    "tiled": {"compile": False, "activation_checkpointing": "full", "tiled_mlp": 0},
+    "tiled_around": {"compile": True, "activation_checkpointing": "full", "tiled_mlp": 0},
+    "tiled_none": {"compile": False, "activation_checkpointing": "none", "tiled_mlp": 0},
+    "plain_none": {"compile": False, "activation_checkpointing": "none"},
 }
 
 
-def build(hidden: int, ffn: int, layers: int, run: str, options: dict) -> torch.nn.Module:
+def build(hidden: int, ffn: int, layers: int, run: str, options: dict, tile: int = 256) -> torch.nn.Module:
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=hidden // 128,
                       num_key_value_heads=max(1, hidden // 512), num_hidden_layers=layers, vocab_size=256,
                       max_position_embeddings=8192, attn_implementation="sdpa")
@@ -55,7 +62,8 @@ def build(hidden: int, ffn: int, layers: int, run: str, options: dict) -> torch.
     cast_adapters_in_forward(model, torch.bfloat16)
     model.train()
     blocks = list(model.base_model.model.model.layers)
-    parallel = ParallelConfig(**RUNS[run], **({"compile_options": options} if options and RUNS[run]["compile"] else {}))
+    settings = {**RUNS[run], **({"tiled_mlp": tile} if "tiled_mlp" in RUNS[run] else {})}
+    parallel = ParallelConfig(**settings, **({"compile_options": options} if options and settings["compile"] else {}))
     checkpoint_and_compile(model, blocks, parallel, "cpu")
     return model
 
@@ -86,6 +94,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--runs", default="eager,around,inside")
+    ap.add_argument("--tile", type=int, default=256, help="tokens a tile of the tiled runs")
     ap.add_argument("--options", default="", help="Inductor options for the compiled runs, key=value,...")
     args = ap.parse_args()
     options = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in args.options.split(",") if kv)}
@@ -93,7 +102,7 @@ def main() -> None:
     rows = []
     for run in args.runs.split(","):
         torch._dynamo.reset()
-        model = build(args.hidden, args.ffn, args.layers, run, options)
+        model = build(args.hidden, args.ffn, args.layers, run, options, args.tile)
         step_peak(model, ids)  # compiles
         model.zero_grad(set_to_none=True)
         peak, fwd, seconds = step_peak(model, ids)

@@ -168,6 +168,15 @@ class ParallelConfig(_Section):
                                 "its recompute, for its activations' memory (the planner prices both). Unset: "
                                 "every block. With activation_offload the first N blocks' inputs go to the host; the "
                                 "others keep their activations on the GPU.")
+    tiled_mlp: int | None = Field(
+        None, ge=1, description="Run each decoder block's MLP over tiles of this many tokens (the micro-batch's "
+                                "tokens flattened), each tile under its own checkpoint (Arctic Long Sequence "
+                                "Training's TiledMLP, Unsloth's tiled MLP): the block keeps only the MLP's input, "
+                                "and a tile's intermediates live only while its backward runs, for one more MLP "
+                                "forward per step. For sequences too long for the GPU (with activation_checkpointing "
+                                "full, the recompute's working set). Under compile the tiles run eagerly and the "
+                                "checkpoint goes around the compiled blocks. fsdp2 only; not with selective "
+                                "checkpointing or an activation_memory_budget. Unset: off.")
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode for each block (with parallel.compile): reduce-overhead adds "
@@ -266,6 +275,16 @@ class ParallelConfig(_Section):
         if self.checkpoint_blocks is not None and self.activation_checkpointing != "full":
             raise ValueError("parallel.checkpoint_blocks needs parallel.activation_checkpointing=full (it says how "
                              "many blocks full checkpointing takes)")
+        if self.tiled_mlp is not None:
+            if self.activation_checkpointing == "selective":
+                raise ValueError("parallel.tiled_mlp is not built for selective checkpointing (its policy would keep "
+                                 "what the tiles recompute); use activation_checkpointing=full or none")
+            if self.activation_memory_budget is not None:
+                raise ValueError("set parallel.tiled_mlp or parallel.activation_memory_budget, not both (the tiles "
+                                 "run outside the compiled graph the budget partitions)")
+            if self.checkpoint_in_compile is True and self.activation_checkpointing == "full":
+                raise ValueError("parallel.tiled_mlp runs its tiles outside the compiled blocks, so the checkpoint "
+                                 "goes around them: set parallel.checkpoint_in_compile=auto (or false)")
         if self.checkpoint_in_compile is True and not self.compile:
             raise ValueError("parallel.checkpoint_in_compile needs parallel.compile=true (it checkpoints inside "
                              "the compiled blocks)")

@@ -31,6 +31,8 @@ def _allowed(key: str) -> set[str]:
     annotation = model.model_fields[name].annotation
     if annotation is bool or bool in typing.get_args(annotation):  # SUPPORT_KEYS reads a switch as "true" / "false"
         return {"false", "true"}
+    if typing.get_args(annotation) == (int, type(None)):  # a number or unset (parallel.tiled_mlp): set or not
+        return {"false", "true"}
     # a Literal with False in it (train.float8: false | tensorwise | rowwise) reads its False as "false"
     return {"false" if v is False else v for v in typing.get_args(annotation)} - {"auto"}
 

@@ -102,23 +102,25 @@ def uses_cudagraphs(parallel: ParallelConfig) -> bool:
 
 def checkpoint_traced(p: ParallelConfig) -> bool:
     """Whether compile traces each block's checkpoint (parallel/prepare.CheckpointedForward): see traces_checkpoint."""
-    return traces_checkpoint(p.compile, p.activation_checkpointing, p.checkpoint_in_compile, p.activation_offload)
+    return traces_checkpoint(p.compile, p.activation_checkpointing, p.checkpoint_in_compile,
+                             p.activation_offload or p.tiled_mlp is not None)
 
 
-def traces_checkpoint(compiled: bool, checkpointing: str, in_compile: bool | str, activation_offload: bool) -> bool:
+def traces_checkpoint(compiled: bool, checkpointing: str, in_compile: bool | str, long_sequence: bool) -> bool:
     """Whether compile traces each block's checkpoint: always for selective checkpointing, whose per-op policy sees
     the ops only while Dynamo traces them (around a compiled block it would see Inductor's kernels, match no matmul,
     and recompute everything, as full does); for full with parallel.checkpoint_in_compile true, or auto without
-    activation_offload. The offload is for sequences too long for the GPU, where the inside recompute's backward
-    would hold about 3.5 x p x f bytes per token more (plan/memory.py INSIDE_RECOMPUTE: 12.5 GiB measured at
-    131,072 tokens of the 8B shape, 31 GiB at 327,680), so auto keeps the checkpoint around there; true runs both
-    (the offload's hooks also take the block inputs the compiled code saves). Shared with the planner's Setting,
+    `long_sequence` (activation_offload or tiled_mlp). The offload is for sequences too long for the GPU, where the
+    inside recompute's backward would hold about 3.5 x p x f bytes per token more (plan/memory.py INSIDE_RECOMPUTE:
+    12.5 GiB measured at 131,072 tokens of the 8B shape, 31 GiB at 327,680), so auto keeps the checkpoint around
+    there; true runs both (the offload's hooks also take the block inputs the compiled code saves). The tiled MLP
+    runs outside the compiled graph, so inside is refused with it (config). Shared with the planner's Setting,
     whose search varies the checkpointing and the offload."""
     if not compiled or checkpointing == "none":
         return False
     if checkpointing == "selective":
         return True
-    return in_compile is True or (in_compile == "auto" and not activation_offload)
+    return in_compile is True or (in_compile == "auto" and not long_sequence)
 
 
 def check_checkpoint_in_compile(p: ParallelConfig) -> None:
@@ -136,7 +138,7 @@ def cudagraphs_rule_out_checkpointing(p: ParallelConfig) -> bool:
     """CUDA graph trees fail in a recompute run from Python (check_cudagraphs): whether full checkpointing would
     run one with these settings (the checkpoint around the compiled blocks)."""
     return uses_cudagraphs(p) and not traces_checkpoint(p.compile, "full", p.checkpoint_in_compile,
-                                                        p.activation_offload)
+                                                        p.activation_offload or p.tiled_mlp is not None)
 
 
 TIED_EMBEDDING = ("peft.offload_embedding: this model ties its input embedding to the LM head (tie_word_embeddings), "

@@ -84,6 +84,7 @@ SUPPORTS = {
     "parallel.shard_frozen": ("true", "false"),
     "parallel.one_gpu": ("fsdp2", "direct"),
     "train.float8": ("false", "tensorwise", "rowwise"),
+    "parallel.tiled_mlp": ("false", "true"),
 }
 REFUSALS = {
     ("parallel.strategy", "zero1"): "parallel.strategy: zero1 (only optimizer states sharded) has no FSDP2 form; "

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardtune.config import ParallelConfig
 from shardtune.parallel import checkpoint_traced
+from shardtune.parallel.tiled_mlp import tile_mlps
 
 # Ops whose outputs selective checkpointing saves (torchtitan's _save_list for one device: matmuls, the attention
 # kernels). Every other matmul is recomputed, which halves what the matmul outputs cost in memory.
@@ -325,6 +326,8 @@ def checkpoint_and_compile(model: nn.Module, blocks: list[nn.Module], parallel: 
     compiled_around = parallel.compile and mode != "none" and not traced
     if parallel.compile:
         one_graph_for_every_block(model)
+    if parallel.tiled_mlp is not None:  # before the checkpoint and compile take each block's forward
+        tile_mlps(blocks, parallel.tiled_mlp)
     for index, block in enumerate(blocks):
         checkpointed = mode != "none" and index < last  # parallel.checkpoint_blocks: the first N only
         if checkpointed:

@@ -27,6 +27,7 @@ SUPPORT_KEYS: dict[str, Callable[[Config], str]] = {
     # auto is checked as fsdp2: it takes direct only on the FSDP2 backend, where it runs (fsdp2.runs_direct)
     "parallel.one_gpu": lambda cfg: "direct" if cfg.parallel.one_gpu == "direct" else "fsdp2",
     "train.float8": lambda cfg: "false" if cfg.train.float8 is False else cfg.train.float8,
+    "parallel.tiled_mlp": lambda cfg: "false" if cfg.parallel.tiled_mlp is None else "true",
 }
 
 

@@ -86,6 +86,11 @@ COMPILED_BACKWARD = 3.6
 # 8B LoRA float8 0.36 (calls 79-80; 0.57 at 8,192, priced 0.77: the side where a plan errs toward not fitting).
 # Counted for selective under compile too (traced there; not measured: the larger guess).
 INSIDE_RECOMPUTE = 3.5
+# parallel.tiled_mlp: what one tile's backward holds, x p x f per token of the tile: its recomputed gate, up, SiLU
+# and product (4pf, eager) and their gradients' 2pf (backward_transient's untiled count, measured on the GPU). Tiny
+# Llama blocks on CPU (bench/probe_inside_memory.py, forty-seventh session) held 3.7pf per tile token more as the
+# tile grew from 1,024 to 2,048 tokens: the larger count, so a plan errs toward not fitting. Not measured on a GPU.
+TILE_TRANSIENT = 6.0
 # Bytes of parallel.activation_offload's copies back the host may queue ahead of the GPU in backward
 # (parallel/prepare.py BACK_BYTES): without checkpointing they are each block's activations, on the GPU again
 # beside the block whose backward runs.
@@ -147,16 +152,18 @@ def activation_bytes_per_token_layer(m: ModelShape, s: Setting, *, kept: bool = 
       SwiGLU       gate/up input (ph), gate output, SiLU output, up output, product (4pf)  -> ph + 4pf
     Eager attention also keeps the fp32 softmax and its compute-dtype copy: (4 + p) x a x s.
     Compiled blocks fuse each norm (it saves its input, ph, instead of the fp32 copy: -8h) and SiLU * up
-    (the SiLU output is recomputed: -pf); Liger's RMSNorm and SwiGLU kernels save the same.
+    (the SiLU output is recomputed: -pf); Liger's RMSNorm and SwiGLU kernels save the same. Under
+    parallel.tiled_mlp (more tokens than a tile) the MLP keeps its input only (its tiles' checkpoints): -4pf.
     Checked against autograd's saved tensors of a real block on CPU (tests/unit/test_plan.py). `kept`: a block
     that keeps them through the forward (no checkpointing), not the one a backward recomputes: compiled LoRA
     blocks in float8 save more there (PEFT_FLOAT8_SAVED)."""
     p, h, k, f, a = s.compute_bytes, m.hidden, m.kv_dim, m.ffn, m.heads
-    total = 8 * h + 6 * p * h + 2 * p * k + 4 * p * f + 4 * a
+    mlp = 0 if s.mlp_tiled else 4 * p * f - (p * f if s.compile or s.liger_kernels else 0)
+    total = 8 * h + 6 * p * h + 2 * p * k + mlp + 4 * a
     if s.attn == "eager":
         total += (4 + p) * a * s.seq_len
     if s.compile or s.liger_kernels:
-        total -= 8 * h + p * f
+        total -= 8 * h
     total += s.rules.residual_bytes(m, s)  # DDP's autocast: an fp32 residual stream
     if s.float8 != "false" and s.compile:
         total *= PEFT_FLOAT8_SAVED if kept and s.peft != "none" else FLOAT8_ACTIVATIONS
@@ -219,11 +226,16 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     8B QLoRA at 327,680 tokens with full checkpointing peaked 17.5 GiB above the recomputed block's saved
     activations; 2pf x 327,680 tokens is 17.5 GiB. A compiled block's backward holds COMPILED_BACKWARD x pf per
     token more (with a recompute or without), INSIDE_RECOMPUTE x pf more with the checkpoint inside it, and a
-    compiled QLoRA block NF4_COMPILED_COPIES dequantised weights."""
-    extra = COMPILED_BACKWARD if s.compile else 0.0
+    compiled QLoRA block NF4_COMPILED_COPIES dequantised weights. Under parallel.tiled_mlp the MLP's backward runs
+    one tile at a time, eagerly: the tile's recomputed 4pf and its backward's 2pf per token of the tile
+    (TILE_TRANSIENT; tiny Llama blocks on CPU, bench/probe_inside_memory.py: the peak no longer grows with f, and
+    below it with the tile's size)."""
     fixed = 0.0  # a compiled QLoRA block's dequantised weights in backward, unless the forward kept them all
     if s.compile and s.peft == "qlora" and not keeps_dequantised(s):
         fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes
+    if s.mlp_tiled:
+        return TILE_TRANSIENT * s.compute_bytes * m.ffn * s.tiled_mlp + fixed
+    extra = COMPILED_BACKWARD if s.compile else 0.0
     if s.checkpoint_traced:
         extra += INSIDE_RECOMPUTE
     elif s.budget_recompute:  # a recompute inside the compiled backward too: its share of full's

@@ -130,7 +130,10 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
 
 def checkpointing_options(base: Setting) -> list[tuple[str, float | None]]:
     """(activation_checkpointing, activation_memory_budget) pairs to price: none, selective and full with the
-    config's budget (it applies to none only), and with compiled blocks none under each of SEARCHED_BUDGETS."""
+    config's budget (it applies to none only), and with compiled blocks none under each of SEARCHED_BUDGETS. With
+    parallel.tiled_mlp, none and full only (the config refuses it beside selective or a budget)."""
+    if base.tiled_mlp is not None:
+        return [("none", None), ("full", None)]
     options = [(ac, base.memory_budget) for ac in ("none", "selective", "full")]
     if base.compile:
         options += [("none", b) for b in SEARCHED_BUDGETS if b != base.memory_budget]

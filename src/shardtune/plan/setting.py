@@ -39,6 +39,7 @@ class Setting:
     activation_checkpointing: str = "none"  # none | selective | full
     checkpoint_blocks: int | None = None  # parallel.checkpoint_blocks: full checkpointing of the first N blocks only
     activation_offload: bool = False  # parallel.activation_offload: the decoder's saved tensors on the host
+    tiled_mlp: int | None = None  # parallel.tiled_mlp: tokens per tile of each block's MLP
     checkpoint_in_compile: bool | str = "auto"  # parallel.checkpoint_in_compile as configured (checkpoint_traced)
     memory_budget: float | None = None  # parallel.activation_memory_budget (budget_recompute: its share here)
     shard_frozen: bool = True  # parallel.shard_frozen, resolved (auto: false on one process)
@@ -92,13 +93,18 @@ class Setting:
                 and self.frozen_local)
 
     @property
+    def mlp_tiled(self) -> bool:
+        """parallel.tiled_mlp splits this micro-batch's MLP into tiles (more tokens than one tile)."""
+        return self.tiled_mlp is not None and self.tokens > self.tiled_mlp
+
+    @property
     def checkpoint_traced(self) -> bool:
         """Compile traces each block's checkpoint: the recompute inside the compiled backward
         (parallel.traces_checkpoint, the rule the run follows)."""
         from shardtune.parallel import traces_checkpoint
 
         return traces_checkpoint(self.compile, self.activation_checkpointing, self.checkpoint_in_compile,
-                                 self.activation_offload)
+                                 self.activation_offload or self.tiled_mlp is not None)
 
     @property
     def recompute_compiled(self) -> bool:
@@ -262,7 +268,7 @@ def setting_from_config(cfg: Any, world: int, per_node: int, *, liger: bool = Fa
         backend=p.backend, strategy=p.strategy if p.strategy != "auto" else "zero3", offload=p.offload,
         nvme=p.offload_nvme_path is not None, activation_checkpointing=p.activation_checkpointing,
         checkpoint_blocks=p.checkpoint_blocks,
-        activation_offload=p.activation_offload, checkpoint_in_compile=p.checkpoint_in_compile,
+        activation_offload=p.activation_offload, tiled_mlp=p.tiled_mlp, checkpoint_in_compile=p.checkpoint_in_compile,
         memory_budget=p.activation_memory_budget,
         shard_frozen=not frozen_whole(p, world),
         one_gpu=p.one_gpu,

@@ -139,7 +139,8 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
     backward (Setting.checkpoint_traced) the recompute leaves out what no gradient reads, the down projection
     (the block's output): - 2·L·h·f; a memory budget's recompute its measured share of that traced one
     (Setting.budget_recompute);
-    selective checkpointing only the k, o and up projections: + 2·L·h·(k + h + f)."""
+    selective checkpointing only the k, o and up projections: + 2·L·h·(k + h + f); parallel.tiled_mlp each
+    tile's forward once more in its backward: + 2·L·3·h·f."""
     n = m.matmul_params
     attn = 12.0 * m.layers * m.hidden * s.seq_len
     flops = (6.0 * n if s.peft == "none" else 4.0 * n + 6.0 * m.lora_params) + attn
@@ -149,6 +150,8 @@ def train_flops_per_token(m: ModelShape, s: Setting) -> float:
             flops -= share * 2.0 * m.layers * m.hidden * m.ffn
     elif s.activation_checkpointing == "selective":  # the k, o and up projections run again; attention does not
         flops += 2.0 * m.layers * m.hidden * (m.kv_dim + m.hidden + m.ffn)
+    if s.mlp_tiled:
+        flops += 2.0 * m.layers * 3 * m.hidden * m.ffn
     return flops
 
 
