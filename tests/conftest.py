@@ -230,7 +230,7 @@ ONE_PROCESS_VARIANTS = ["ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw
 TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile",
                         "zero3:ac:compile:around", "zero3:compile:budget", "zero3:ac:actoff",
                         "zero3:compile:budget:actoff", "zero3:ac:cb1", "zero3:ac:compile:cb1:aot",
-                        "zero3:ac:cb1:actoff", "zero3:dir",
+                        "zero3:ac:cb1:actoff", "zero3:ac:tile:actoff", "zero3:dir",
                         "zero3:packed",
                         "ddp:packed", "ddp:lora", "zero2:lora", "zero3:lora", "zero3:lora:bf16", "zero3:bf16",
                         "zero2:fp16", "zero3:qlora", "zero3:adamw8bit", "zero3:noclip", "zero3:mb1",

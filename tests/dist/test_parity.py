@@ -18,10 +18,11 @@ pytestmark = pytest.mark.dist
 # under parallel.activation_memory_budget 0.3; :actoff, the saved activations kept in host memory on each rank
 # (parallel.activation_offload: the checkpoint's block inputs, and what the budget keeps of each compiled block);
 # :cb1, full checkpointing of the first block only (parallel.checkpoint_blocks=1), eager and inside compiled blocks,
-# and with the offload (the first block's input to the host, the second block's activations on the device)
+# and with the offload (the first block's input to the host, the second block's activations on the device);
+# :tile, each block's MLP in tiles of 16 tokens (parallel.tiled_mlp), with the checkpoint and the offload
 FP32 = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile", "zero3:ac:compile:around",
         "zero3:compile:budget", "zero3:ac:actoff", "zero3:compile:budget:actoff", "zero3:ac:cb1",
-        "zero3:ac:compile:cb1:aot", "zero3:ac:cb1:actoff", "zero3:dir"]
+        "zero3:ac:compile:cb1:aot", "zero3:ac:cb1:actoff", "zero3:ac:tile:actoff", "zero3:dir"]
 LOW = ["zero3:bf16", "zero2:fp16"]
 PACKED = ["zero3:packed", "ddp:packed"]
 LORA = ["ddp:lora", "zero2:lora", "zero3:lora"]

@@ -56,6 +56,7 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "budget": "parallel.activation_memory_budget=0.3",
            "actoff": "parallel.activation_offload=true",
            "cb1": "parallel.checkpoint_blocks=1",
+           "tile": "parallel.tiled_mlp=16",  # 2 x 24 tokens a micro-batch: three tiles
            "packed": "data.packing=true train.seq_len=64",
            "lora": "peft.method=lora peft.r=8 peft.alpha=16",
            "qlora": "peft.method=qlora peft.r=8 peft.alpha=16",
