@@ -6,6 +6,7 @@ planner's count of what a tiled block saves, and the refusals."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -188,3 +189,35 @@ def test_the_planner_prices_the_long_sequence_it_is_for() -> None:
     assert tiled.tiled_mlp == 8192 and plain.tiled_mlp is None
     before, after = gpu_memory(shape, plain).allocated / 2**30, gpu_memory(shape, tiled).allocated / 2**30
     assert before == pytest.approx(83.7, abs=0.1) and after == pytest.approx(32.6, abs=0.1)
+
+
+def test_the_search_takes_tiles_only_where_nothing_untiled_fits() -> None:
+    """8B QLoRA on one H100 (128 GiB of host memory) under parallel.strategy: auto: at 131,072 tokens an untiled
+    setting fits and is faster, so the pick has no tiles; at 327,680 tokens nothing untiled fits and the pick runs
+    the MLPs in SEARCHED_TILE-token tiles, written into the workers' overrides; a config that fixes the checkpointing
+    is refused with the tiles named as a fix."""
+    from shardtune.models.build import load_hf_config
+    from shardtune.plan import auto_overrides, make_plan, refusal, resolve_auto
+    from shardtune.plan.hardware import lookup
+    from shardtune.plan.search import SEARCHED_TILE
+
+    def plan(seq: int, *extra: str):
+        cfg = load_config(str(ROOT / "bench" / "bench.yaml"), [
+            "data.train_file=examples/data/tasks.jsonl", "model.preset=llama-3.1-8b",
+            f"model.max_position_embeddings={seq}", f"train.seq_len={seq}", "train.micro_batch_size=1",
+            "peft.method=qlora", "model.liger=loss", *extra])
+        return cfg, make_plan(cfg, load_hf_config(cfg.model), h100, world=1, per_node=1)
+
+    h100 = dataclasses.replace(lookup("h100"), host_memory_bytes=128 * 2**30)  # the device machine's host
+
+    _, short = plan(131072, "parallel.strategy=auto")
+    assert short.pick is not None and short.pick.setting.tiled_mlp is None
+    assert any(c.setting.tiled_mlp == SEARCHED_TILE for c in short.result.candidates)  # priced, slower
+    cfg, long = plan(327680, "parallel.strategy=auto")
+    assert long.pick is not None and long.pick.setting.tiled_mlp == SEARCHED_TILE
+    assert all(c.setting.tiled_mlp for c in long.result.candidates if c.usable)
+    resolved, _ = resolve_auto(cfg, load_hf_config(cfg.model), h100, world=1, per_node=1)
+    assert f"parallel.tiled_mlp={SEARCHED_TILE}" in auto_overrides(resolved, long.auto)
+    _, fixed = plan(327680, "parallel.strategy=zero3", "parallel.activation_checkpointing=full",
+                    "parallel.activation_offload=true")
+    assert f"parallel.tiled_mlp={SEARCHED_TILE}" in refusal(fixed)

@@ -100,6 +100,8 @@ def describe(s: Setting) -> str:
             parts[-1] += " inside the compiled blocks" if s.checkpoint_traced else " around the compiled blocks"
     if s.activation_offload:
         parts.append("saved activations in host memory")
+    if s.mlp_tiled:
+        parts.append(f"MLPs in tiles of {s.tiled_mlp:,} tokens")
     if s.frozen_local:
         parts.append("frozen base whole on each GPU")
     if s.embedding_offloaded:
@@ -212,12 +214,15 @@ def config_for(cfg: Any, s: Setting) -> Any:
 
 def write_strategy(parallel: Any, s: Setting) -> None:
     """The knobs `parallel.strategy: auto` picks, written into `parallel` as the setting runs them."""
-    parallel.checkpoint_blocks = None  # first out, last in: the config's check refuses it beside none or selective
+    # first out, last in: the config's check refuses checkpoint_blocks beside none or selective, and the tiles beside
+    # selective, a budget or the checkpoint inside compiled blocks
+    parallel.checkpoint_blocks = parallel.tiled_mlp = None
     parallel.backend, parallel.strategy, parallel.offload = s.backend, s.strategy, s.offload
     parallel.activation_offload = s.activation_offload
     set_checkpointing(parallel, s)
     parallel.checkpoint_blocks = s.checkpoint_blocks
     parallel.checkpoint_in_compile = s.checkpoint_in_compile
+    parallel.tiled_mlp = s.tiled_mlp
     _say_shard_frozen(parallel, s)
 
 
@@ -260,7 +265,8 @@ def free_knobs(cfg: Any) -> set[str]:
                              "checkpoint_in_compile") if k not in chosen}
         if "activation_checkpointing" in free:
             # a budget is a way of checkpointing (none with compile's recompute), and so are the first N blocks
-            free |= {"memory_budget", "checkpoint_blocks"}
+            # and the MLPs' tiles
+            free |= {"memory_budget", "checkpoint_blocks", "tiled_mlp"}
         if cfg.parallel.shard_frozen == "auto":
             free.add("shard_frozen")
         if cfg.peft.offload_head == "auto":
@@ -465,7 +471,8 @@ def auto_overrides(cfg: Any, auto: tuple[str, ...]) -> list[str]:
                 f"parallel.checkpoint_in_compile={str(p.checkpoint_in_compile).lower()}",
                 # null where the pick runs without them: the workers load the config's own values first
                 f"parallel.activation_memory_budget={_or_null(p.activation_memory_budget)}",
-                f"parallel.checkpoint_blocks={_or_null(p.checkpoint_blocks)}"]
+                f"parallel.checkpoint_blocks={_or_null(p.checkpoint_blocks)}",
+                f"parallel.tiled_mlp={_or_null(p.tiled_mlp)}"]
         if cfg.peft.offload_head is True:  # taken by the search (its auto), or the config's
             out.append("peft.offload_head=true")
     if "train.micro_batch_size" in auto:

@@ -46,7 +46,9 @@ DIRECT_FRAGMENTATION = 0.03
 # Long sequences: the allocator keeps the blocks its largest transients were cut from (a recomputed block's f-wide
 # MLP tensors, 9 GiB each at 327,680 tokens of the 8B shape), and reserved exceeds allocated by about 3.7 x p x f
 # per token: 12.9-32.0 GiB measured on 8B QLoRA at 131,072-327,680 tokens (calls 35-36, bench/RESULTS.md), where
-# the shares above would say 4-9 GiB. Whichever is larger is counted.
+# the shares above would say 4-9 GiB. Whichever is larger is counted. Under parallel.tiled_mlp the MLP's tensors are
+# a tile's, and the widest transients the hidden-wide ones (the tiles' input and output, the norms): counted the same
+# way at h per token, or f per tile token where larger (a guess: not measured on a GPU yet).
 CACHED_TRANSIENTS = 3.7
 # train.float8 in compiled blocks: the partitioner keeps float8 copies where bf16 tensors were saved for backward
 # (matmul inputs cast once, reused by the gradient matmuls). Share of a block's saved bytes left, fitted on the 1B
@@ -471,7 +473,8 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     frag = PEFT_FRAGMENTATION if s.peft != "none" else \
         (DIRECT_FRAGMENTATION if s.one_gpu_direct else FRAGMENTATION) + (RECOMPUTE_FRAGMENTATION if eager_recompute
                                                                          else 0.0)
-    reserved = max(allocated * (1 + frag), allocated + CACHED_TRANSIENTS * s.compute_bytes * m.ffn * s.tokens)
+    widest = max(m.hidden * s.tokens, m.ffn * s.tiled_mlp) if s.mlp_tiled else m.ffn * s.tokens
+    reserved = max(allocated * (1 + frag), allocated + CACHED_TRANSIENTS * s.compute_bytes * widest)
     context = CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0.0) + (COMPILE_WORKSPACE if s.compile else 0.0)
     return Memory(terms=terms, phase=phase, allocated=allocated, reserved=reserved, total=reserved + context,
                   host=host_memory(m, s, states, offloaded))

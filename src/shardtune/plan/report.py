@@ -20,7 +20,8 @@ TERMS = (("parameters", "params"), ("master_weights", "master"), ("gradients", "
 # around the compiled blocks where auto would put it inside (parallel.checkpoint_in_compile: false), "fullN" when it
 # takes the first N blocks only (parallel.checkpoint_blocks); its strategy column: "+w" when the frozen base is whole
 # on each GPU (parallel.shard_frozen: false), "+e" when the input embedding is in host memory
-# (peft.offload_embedding), "+l" when the LM head is (peft.offload_head).
+# (peft.offload_embedding), "+l" when the LM head is (peft.offload_head); "+t" when the MLPs run in tiles
+# (parallel.tiled_mlp).
 AC_SHORT = {"selective": "sel"}
 
 def table(plan: Plan, show_all: bool = False) -> list[str]:
@@ -52,6 +53,7 @@ def _row(c: Candidate, mark: str = "") -> str:
                                                                           s.activation_checkpointing)
     ac += str(s.checkpoint_blocks) if s.checkpoint_blocks is not None and s.activation_checkpointing == "full" else ""
     ac += "+h" if s.activation_offload else ""
+    ac += "+t" if s.mlp_tiled else ""
     ac += "+a" if s.checkpoint_in_compile is False and s.compile and s.activation_checkpointing == "full" else ""
     strategy = (s.strategy + ("+w" if s.frozen_local else "") + ("+e" if s.embedding_offloaded else "")
                 + ("+l" if s.head_offloaded else ""))

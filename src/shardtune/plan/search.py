@@ -21,6 +21,9 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # on one H100 kept 0.37 / 0.52 of none's extra activations for +10% / +14% over full checkpointing (calls 89, 91);
 # lower budgets bought little (0.1: +0.7%).
 SEARCHED_BUDGETS = (0.3, 0.5)
+# parallel.tiled_mlp's tokens a tile where the search prices the MLPs in tiles: 1.3 GiB of one tile's backward on the
+# 8B shape (memory.TILE_TRANSIENT), GEMMs of 8,192 rows (DeepSpeed's TiledMLP takes tiles of the hidden size, 4,096).
+SEARCHED_TILE = 8192
 CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "offload": "parallel.offload",
                "activation_checkpointing": "parallel.activation_checkpointing",
                "memory_budget": "parallel.activation_memory_budget",
@@ -28,7 +31,7 @@ CONFIG_KEYS = {"backend": "parallel.backend", "strategy": "parallel.strategy", "
                "offload_embedding": "peft.offload_embedding", "offload_head": "peft.offload_head",
                "micro_batch_size": "train.micro_batch_size",
                "checkpoint_in_compile": "parallel.checkpoint_in_compile",
-               "checkpoint_blocks": "parallel.checkpoint_blocks"}
+               "checkpoint_blocks": "parallel.checkpoint_blocks", "tiled_mlp": "parallel.tiled_mlp"}
 
 
 @dataclass
@@ -119,6 +122,8 @@ def search(m: ModelShape, base: Setting, hw: Any, *, supported: Callable[[Settin
                 out.append(price(m, s.replace(offload_head=True), hw, capacity, host_capacity))
             if _placement_is_a_trade(s, supported):  # the checkpoint around the compiled blocks, beside it
                 out.append(price(m, s.replace(checkpoint_in_compile=False), hw, capacity, host_capacity))
+            if _tiles_are_a_trade(s, supported):  # the MLPs in tiles, beside it (long sequences)
+                out.append(price(m, s.replace(tiled_mlp=SEARCHED_TILE), hw, capacity, host_capacity))
     configured = price(m, base, hw, capacity, host_capacity)
     usable = [c for c in out if c.usable]
     pick = max(usable, key=lambda c: (c.time.tokens_per_sec_per_gpu, -c.memory.total)) if usable else None
@@ -179,6 +184,20 @@ def _head_is_a_trade(m: ModelShape, s: Setting) -> bool:
     """peft.offload_head could run here and is off: PEFT on the one-GPU direct path, an untied head. Priced beside
     (1 GB less on the 8B shape for 2.1% of the step, measured), taken only where the pick lets it (its auto)."""
     return not s.offload_head and s.replace(offload_head=True).head_on_host(m)
+
+
+def _tiles_are_a_trade(s: Setting, supported: Callable[[Setting], str | None]) -> bool:
+    """parallel.tiled_mlp could split this micro-batch's MLPs into SEARCHED_TILE-token tiles (the config sets none,
+    full checkpointing, the checkpoint not forced inside compiled blocks, and the backend runs it): priced beside,
+    one more MLP forward a step for the MLP's intermediates off the recomputed block's peak, so the pick (fastest
+    that fits) takes it only where nothing untiled fits. Under full checkpointing only, what it is for (without a
+    checkpoint the tiles run too, as a config asks; the search does not offer them there). Not measured on a GPU
+    yet."""
+    if s.tiled_mlp is not None or s.tokens <= SEARCHED_TILE or s.activation_checkpointing != "full":
+        return False
+    if s.checkpoint_in_compile is True:
+        return False
+    return supported(s.replace(tiled_mlp=SEARCHED_TILE)) is None
 
 
 def _placement_is_a_trade(s: Setting, supported: Callable[[Setting], str | None]) -> bool:

@@ -247,7 +247,8 @@ class Setting:
                 "offload_embedding": self.embedding_offloaded, "offload_head": self.head_offloaded,
                 "micro_batch_size": self.micro_batch_size,
                 "checkpoint_in_compile": self.checkpoint_in_compile,
-                "checkpoint_blocks": self.checkpoint_blocks if self.activation_checkpointing == "full" else None}
+                "checkpoint_blocks": self.checkpoint_blocks if self.activation_checkpointing == "full" else None,
+                "tiled_mlp": self.tiled_mlp}
 
 
 def host_embedding_asked(value: bool | str) -> bool:
