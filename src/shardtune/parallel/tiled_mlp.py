@@ -64,4 +64,3 @@ def tile_mlps(blocks: list[nn.Module], tokens: int) -> int:
         if not isinstance(mlp.__dict__.get("forward"), TiledForward):
             mlp.forward = TiledForward(mlp, tokens)
     return len(blocks)
-
