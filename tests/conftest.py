@@ -182,6 +182,44 @@ def offload_test_model(overrides: list[str], device: str = "cpu", offload: bool 
     return model, blocks, hooks
 
 
+def two_steps(model: Any, ids: Any, before_each: Callable[[], None] = lambda: None) -> tuple[list[float], dict]:
+    """Two training steps' losses (input_ids = labels = `ids`) and the gradients summed over them, by parameter
+    name (those that got one)."""
+    losses = []
+    for _ in range(2):
+        before_each()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def block_saved_bytes(model: Any, batch: int, seq: int) -> int:
+    """Bytes autograd saves in the forward of `model`'s first decoder block (a Hugging Face Llama-style model) on a
+    random input of batch x seq tokens, each storage once; its parameters and the cos / sin tables every layer
+    shares left out."""
+    import torch
+
+    hidden = model.config.hidden_size
+    dtype = next(model.parameters()).dtype
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    pos = torch.arange(seq)[None].expand(batch, seq)
+    cos, sin = model.model.rotary_emb(x, pos)
+    shared = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in shared:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[0](x, position_embeddings=(cos, sin), position_ids=pos, attention_mask=None)
+    return sum(saved.values())
+
+
 @pytest.fixture
 def without_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile with the aot_eager backend for this test: Dynamo's graphs, AOTAutograd's partition (the same

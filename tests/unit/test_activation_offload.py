@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, offload_test_model
+from conftest import ROOT, offload_test_model, two_steps
 
 from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
@@ -39,17 +39,6 @@ def _recording(pack, moved: list):
         return packed
 
     return recording_pack
-
-
-def _two_steps(model, ids, before_each=lambda: None) -> tuple[list[float], dict]:
-    """Two steps' losses and the gradients summed over them."""
-    losses = []
-    for _ in range(2):
-        before_each()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.item())
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _assert_same_training(results: list) -> None:
@@ -115,7 +104,7 @@ def test_offload_with_compiled_blocks_keeps_their_loss_and_gradients(where: str,
         if hooks is not None:
             hooks.pack_hook = _recording(hooks.pack_hook, moved)
         inputs[:] = []
-        results.append(_two_steps(model, ids))
+        results.append(two_steps(model, ids))
     _assert_same_training(results)
     assert set(inputs) <= {t.untyped_storage().data_ptr() for t in moved}  # both steps' block inputs
     inputs_bytes = 2 * len(blocks) * ids.numel() * model.config.hidden_size * 4
@@ -148,7 +137,7 @@ def test_offload_under_checkpoint_blocks_moves_the_checkpointed_blocks_only(comp
                 return packed
 
             hooks.pack_hook = noting_pack
-        results.append(_two_steps(model, ids, lambda: where.__setitem__(0, None)))
+        results.append(two_steps(model, ids, lambda: where.__setitem__(0, None)))
     _assert_same_training(results)
     assert {0, 1} <= set(moved_at) <= {None, 0, 1}  # blocks 2-3 (of 4) and the norm: none moved
     assert hooks.moved_bytes >= 2 * 2 * ids.numel() * model.config.hidden_size * 4  # two inputs, two steps

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT, offload_test_model
+from conftest import ROOT, offload_test_model, two_steps
 from torch._dynamo.utils import counters
 
 from shardtune.config import ConfigError, load_config
@@ -63,12 +63,7 @@ def _run_once(overrides: list[str], lora: bool):
         torch.manual_seed(1)
         model = apply_lora(model, PeftConfig(method="lora", r=4), model.config.model_type)
     ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(2):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.item())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    losses, grads = two_steps(model, ids)
     model.zero_grad(set_to_none=True)
     compiled = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
     return losses, grads, _saved_bytes(model, ids), model, compiled

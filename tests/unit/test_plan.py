@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import block_saved_bytes
 
 from shardtune.cli import main
 from shardtune.config import load_config
@@ -365,23 +366,8 @@ def test_activation_formula_matches_autograds_saved_tensors() -> None:
 
     cfg = preset_config("tiny-llama")
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     batch, seq = 2, 64
-    x = torch.randn(batch, seq, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    pos = torch.arange(seq)[None].expand(batch, seq)
-    cos, sin = model.model.rotary_emb(x, pos)
-    shared = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in shared:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[0](x, position_embeddings=(cos, sin), position_ids=pos, attention_mask=None)
-    measured = sum(saved.values()) / (batch * seq)
+    measured = block_saved_bytes(model, batch, seq) / (batch * seq)
     predicted = activation_bytes_per_token_layer(model_shape(cfg), Setting(micro_batch_size=batch, seq_len=seq))
     assert measured == pytest.approx(predicted, rel=0.02)
 

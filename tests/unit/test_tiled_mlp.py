@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import ROOT, offload_test_model
+from conftest import ROOT, block_saved_bytes, offload_test_model, two_steps
 
 from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
@@ -29,15 +29,9 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 def _two_steps(overrides: list[str], offload: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Two steps of examples/tiny.yaml's model (fp32, 2 x 32 tokens): their losses and the summed gradients."""
     model, blocks, _hooks = offload_test_model(overrides, "cpu", offload)
-    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(2):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.item())
     if any(o.startswith("parallel.tiled_mlp") for o in overrides):
         assert all(isinstance(b.mlp.__dict__["forward"], TiledForward) for b in blocks)
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return two_steps(model, torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(1)))
 
 
 @pytest.mark.parametrize("settings", [["parallel.activation_checkpointing=none"],
@@ -141,27 +135,12 @@ def test_the_planner_counts_a_tiled_block_without_its_mlp_intermediates() -> Non
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").train()
     batch, seq, tile = 2, 64, 32
     tile_mlps(list(model.model.layers), tile)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    x = torch.randn(batch, seq, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    pos = torch.arange(seq)[None].expand(batch, seq)
-    cos, sin = model.model.rotary_emb(x, pos)
-    shared = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in shared:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[0](x, position_embeddings=(cos, sin), position_ids=pos, attention_mask=None)
+    # the tiles' inputs, which their checkpoints save through autograd (views of the MLP's input: counted once)
+    measured = block_saved_bytes(model, batch, seq) / (batch * seq)
     shape = model_shape(cfg)
     s = Setting(micro_batch_size=batch, seq_len=seq, tiled_mlp=tile)
     untiled = s.replace(tiled_mlp=None)
     assert s.mlp_tiled and not s.replace(tiled_mlp=batch * seq).mlp_tiled  # one tile: run as it is
-    # the tiles' inputs, which their checkpoints save through autograd (views of the MLP's input: counted once)
-    measured = sum(saved.values()) / (batch * seq)
     assert measured == pytest.approx(activation_bytes_per_token_layer(shape, s), rel=0.02)
     assert (activation_bytes_per_token_layer(shape, untiled) - activation_bytes_per_token_layer(shape, s)
             == 4 * 2 * shape.ffn)
