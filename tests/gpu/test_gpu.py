@@ -347,9 +347,12 @@ def test_activation_offload_on_the_gpu_keeps_the_loss_and_gradients(checkpointin
 def test_tiled_mlp_on_the_gpu_keeps_the_loss_and_gradients_and_lowers_the_peak(compiled):
     """parallel.tiled_mlp on the GPU (flash attention, Inductor's code around the eager tiles, the activation offload's
     side-stream copies): the tiny model in fp32, full checkpointing, 4 x 512 tokens in 256-token tiles against the
-    run without tiles: the same loss, the gradients to the attention backward's run-to-run order, and a lower peak
-    of allocated memory in backward (the recomputed block's MLP tensors are a tile's). Forty-seventh session."""
+    run without tiles (compiled: the checkpoint around the blocks in both, as the tiles take it): the same loss, the
+    gradients to the attention backward's run-to-run order (compiled: to the tolerance of eager tiles against
+    Inductor's fused MLP), and a lower peak of allocated memory in backward (the recomputed block's MLP tensors are
+    a tile's). Forty-seventh session."""
     base = ["parallel.activation_checkpointing=full", f"parallel.compile={str(compiled).lower()}"]
+    base += ["parallel.checkpoint_in_compile=false"] if compiled else []
     ids = torch.randint(0, 250, (4, 512), generator=torch.Generator().manual_seed(1)).cuda()
     results = []
     for tiles in ([], ["parallel.tiled_mlp=256"]):
@@ -366,9 +369,10 @@ def test_tiled_mlp_on_the_gpu_keeps_the_loss_and_gradients_and_lowers_the_peak(c
         results.append((float(loss), peak, {n: p.grad.clone() for n, p in model.named_parameters()}))
         assert hooks.moved_bytes > 0
     (plain_loss, plain_peak, plain_grads), (loss, peak, grads) = results
-    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert loss == pytest.approx(plain_loss, rel=1e-5 if compiled else 1e-6)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-3 if compiled else 1e-4, atol=1e-5 if compiled
+                                   else 1e-6, msg=name)
     assert peak < plain_peak, (peak, plain_peak)
 
 
