@@ -102,8 +102,13 @@ def uses_cudagraphs(parallel: ParallelConfig) -> bool:
 
 def checkpoint_traced(p: ParallelConfig) -> bool:
     """Whether compile traces each block's checkpoint (parallel/prepare.CheckpointedForward): see traces_checkpoint."""
-    return traces_checkpoint(p.compile, p.activation_checkpointing, p.checkpoint_in_compile,
-                             p.activation_offload or p.tiled_mlp is not None)
+    return traces_checkpoint(p.compile, p.activation_checkpointing, p.checkpoint_in_compile, long_sequence(p))
+
+
+def long_sequence(p: ParallelConfig) -> bool:
+    """Settings made for sequences too long for the GPU (activation_offload, tiled_mlp), under which
+    checkpoint_in_compile's auto keeps the checkpoint around the compiled blocks (traces_checkpoint)."""
+    return p.activation_offload or p.tiled_mlp is not None
 
 
 def traces_checkpoint(compiled: bool, checkpointing: str, in_compile: bool | str, long_sequence: bool) -> bool:
@@ -137,8 +142,7 @@ def check_checkpoint_in_compile(p: ParallelConfig) -> None:
 def cudagraphs_rule_out_checkpointing(p: ParallelConfig) -> bool:
     """CUDA graph trees fail in a recompute run from Python (check_cudagraphs): whether full checkpointing would
     run one with these settings (the checkpoint around the compiled blocks)."""
-    return uses_cudagraphs(p) and not traces_checkpoint(p.compile, "full", p.checkpoint_in_compile,
-                                                        p.activation_offload or p.tiled_mlp is not None)
+    return uses_cudagraphs(p) and not traces_checkpoint(p.compile, "full", p.checkpoint_in_compile, long_sequence(p))
 
 
 TIED_EMBEDDING = ("peft.offload_embedding: this model ties its input embedding to the LM head (tie_word_embeddings), "
