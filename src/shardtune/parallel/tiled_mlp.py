@@ -52,10 +52,10 @@ class TiledForward:
         return out.view(*hidden.shape[:-1], out.size(-1))
 
 
-def tile_mlps(blocks: list[nn.Module], tokens: int) -> int:
+def tile_mlps(blocks: list[nn.Module], tokens: int) -> None:
     """Give each decoder block's MLP (its `mlp` submodule: Llama, Mistral, Qwen, Gemma and the like) a TiledForward
-    of `tokens` tokens; returns how many. A block without one is refused in one line: tiling a mixture of experts'
-    router, or an unknown layout, would change what it computes."""
+    of `tokens` tokens. A block without one is refused in one line: tiling a mixture of experts' router, or an
+    unknown layout, would change what it computes."""
     for index, block in enumerate(blocks):
         mlp = getattr(block, "mlp", None)
         if not isinstance(mlp, nn.Module) or not type(mlp).__name__.endswith("MLP"):
@@ -63,4 +63,3 @@ def tile_mlps(blocks: list[nn.Module], tokens: int) -> int:
                                  f"`mlp` module (found {type(mlp).__name__}); set parallel.tiled_mlp=null")
         if not isinstance(mlp.__dict__.get("forward"), TiledForward):
             mlp.forward = TiledForward(mlp, tokens)
-    return len(blocks)
