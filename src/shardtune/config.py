@@ -175,8 +175,8 @@ class ParallelConfig(_Section):
                                 "and a tile's intermediates live only while its backward runs, for one more MLP "
                                 "forward per step. For sequences too long for the GPU (with activation_checkpointing "
                                 "full, the recompute's working set). Under compile the tiles run eagerly and the "
-                                "checkpoint goes around the compiled blocks. fsdp2 only; not with selective "
-                                "checkpointing or an activation_memory_budget. Unset: off.")
+                                "checkpoint goes around the compiled blocks. Not with selective checkpointing or "
+                                "an activation_memory_budget. Unset: off.")
     compile: bool = Field(False, description="torch.compile each decoder block before sharding.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode for each block (with parallel.compile): reduce-overhead adds "

@@ -16,7 +16,7 @@ from conftest import ROOT, block_saved_bytes, offload_test_model, two_steps
 from shardtune.config import load_config
 from shardtune.errors import ShardtuneError
 from shardtune.models.presets import preset_config
-from shardtune.parallel import check_combination, checkpoint_traced
+from shardtune.parallel import checkpoint_traced
 from shardtune.parallel.tiled_mlp import TiledForward, tile_mlps
 from shardtune.plan.memory import activation_bytes_per_token_layer, backward_transient, gpu_memory
 from shardtune.plan.setting import Setting
@@ -55,7 +55,7 @@ def test_tiles_keep_the_loss_and_gradients(settings: list[str], without_inductor
 def test_compile_takes_the_checkpoint_around_the_tiles_and_inside_is_refused() -> None:
     """The tiles run outside the compiled graph (a graph break around the MLP), so checkpoint_in_compile's auto puts
     the checkpoint around the compiled blocks; true, selective checkpointing and a memory budget are refused in one
-    line each, and DeepSpeed's backend too."""
+    line each."""
     base = ["parallel.compile=true", "parallel.activation_checkpointing=full", "parallel.tiled_mlp=4096"]
     assert not checkpoint_traced(load_config(TINY, base).parallel)
     assert checkpoint_traced(load_config(TINY, base[:2]).parallel)
@@ -66,9 +66,6 @@ def test_compile_takes_the_checkpoint_around_the_tiles_and_inside_is_refused() -
         overrides = [*base, extra] + (["parallel.activation_checkpointing=none"] if "budget" in extra else [])
         with pytest.raises(ShardtuneError, match=re.escape(words)):
             load_config(TINY, overrides)
-    with pytest.raises(ShardtuneError, match=re.escape("parallel.tiled_mlp runs on parallel.backend=fsdp2")):
-        check_combination(load_config(TINY, ["parallel.backend=deepspeed", "parallel.strategy=zero2",
-                                             "parallel.tiled_mlp=4096"]))
 
 
 def test_a_block_without_a_dense_mlp_is_refused_and_a_copy_tiles_its_own() -> None:

@@ -42,7 +42,7 @@ SUPPORTS = {
     "parallel.shard_frozen": ("true",),
     "parallel.one_gpu": ("fsdp2",),
     "train.float8": ("false",),
-    "parallel.tiled_mlp": ("false",),
+    "parallel.tiled_mlp": ("false", "true"),
 }
 FLOAT8_REFUSAL = ("train.float8 runs on parallel.backend=fsdp2 (torchao's Float8Linear is not wired into "
                   "DeepSpeed's engine); set parallel.backend=fsdp2, or train.float8=false")
@@ -54,9 +54,6 @@ REFUSALS = {
     ("parallel.activation_offload", "true"): "parallel.activation_offload: true runs on parallel.backend=fsdp2 "
                                              "(DeepSpeed's own cpu_checkpointing is not wired in); set "
                                              "parallel.backend=fsdp2, or parallel.activation_offload=false",
-    ("parallel.tiled_mlp", "true"): "parallel.tiled_mlp runs on parallel.backend=fsdp2 (DeepSpeed ZeRO-3's "
-                                    "per-module weight fetches are not built for a module called once per tile); "
-                                    "set parallel.backend=fsdp2, or parallel.tiled_mlp=null",
     ("parallel.one_gpu", "direct"): "parallel.one_gpu: direct is FSDP2's one-process path (DeepSpeed runs its own "
                                     "engine); set parallel.backend=fsdp2, or parallel.one_gpu=fsdp2",
     ("parallel.shard_frozen", "false"): "parallel.shard_frozen: false is FSDP2's (DeepSpeed partitions every "

@@ -10,7 +10,9 @@ once more there (one more MLP forward per step, about 2% of a 327,680-token step
 Snowflake's Arctic Long Sequence Training (DeepSpeed's TiledMLP) and Unsloth's tiled MLP do the same; this one is
 torch's non-reentrant checkpoint per tile, so it composes with the block's own checkpoint, the activation
 offload's hooks and any MLP forward (Liger's SwiGLU, LoRA and QLoRA layers), and the gradients reach the weights
-through autograd as usual (FSDP2 sees one backward per block).
+through autograd as usual: each weight's gradient is summed over the tiles before it reaches the weight, so
+FSDP2's reduce-scatter and DeepSpeed's gradient hooks see it once (DeepSpeed's own TiledMLP must tell ZeRO to
+wait for the last tile instead; tests/dist/test_deepspeed.py).
 
 Under compile the tiles run eagerly (a graph break around the MLP): a compiled graph's recompute of every tile
 would be scheduled by Inductor, not one tile at a time, so `parallel.checkpoint_in_compile` takes the checkpoint
