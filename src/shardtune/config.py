@@ -218,8 +218,8 @@ class ParallelConfig(_Section):
                            "pieces; on GPUs both copies run on a side stream, overlapped with compute). With "
                            "activation_checkpointing: full that is each block's input, which bounds the longest "
                            "trainable sequence; without checkpointing, everything the blocks save (compiled under "
-                           "parallel.activation_memory_budget: the share it keeps). fsdp2 only; not with "
-                           "selective checkpointing under compile. Under "
+                           "parallel.activation_memory_budget: the share it keeps). Not with selective "
+                           "checkpointing under compile, nor with fsdp2's ddp (autocast). Under "
                            "parallel.strategy: auto the planner turns it on where nothing fits without it.")
     one_gpu: Literal["auto", "fsdp2", "direct"] = Field(
         "auto", description="How zero2 / zero3 run on a single process. fsdp2: FSDP2 on a mesh of one (it still "

@@ -36,8 +36,10 @@ NO_LIBAIO = NVME_SKIP if async_io_available() else "libaio is not installed here
 # zero3:ds:ac:cb1: full checkpointing of the first block only (parallel.checkpoint_blocks, which strategy auto may
 # now pick for DeepSpeed candidates too). zero3:ds:ac:tile: the MLPs in tiles (parallel.tiled_mlp) under ZeRO-3's
 # per-module weight fetches and its gradient hooks (each weight's gradient reaches them once, summed over the tiles).
+# zero3:ds:ac:actoff: the checkpoint's block inputs in host memory (parallel.activation_offload's hooks).
 DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero3:ds:ac:cb1", "zero3:ds:ac:tile",
-           "zero2:ds:offload", "zero3:ds:offparams", "zero3:ds:nvme"]
+           "zero3:ds:ac:actoff", "zero2:ds:offload", "zero3:ds:offparams", "zero3:ds:nvme"]
+LONG_LORA = "zero2:ds:lora:ac:tile:actoff"  # the long-sequence settings together, under ZeRO-2's gradient buckets
 RUNNABLE = [v for v in DS_FP32 if NVME or v != "zero3:ds:nvme"]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -47,7 +49,7 @@ def results(tmp_path_factory, fsdp2_runs, micro_model_dir):
     """(the FSDP2 launches of tests/conftest.py's fsdp2_runs, this module's DeepSpeed launch)"""
     tmp = tmp_path_factory.mktemp("ds")
     one, fsdp2 = fsdp2_runs
-    two = worker_results(tmp / "two", 2, 2, [*RUNNABLE, "zero3:ds:lora", "zero2:ds:lora:tile", "zero3:ds:bf16"],
+    two = worker_results(tmp / "two", 2, 2, [*RUNNABLE, "zero3:ds:lora", LONG_LORA, "zero3:ds:bf16"],
                          env={"SHARDTUNE_TEST_MODEL_DIR": str(micro_model_dir)})
     two["zero2"], two["zero3"] = fsdp2["zero2"], fsdp2["zero3"]
     two["nvme_swap_files"] = sorted(str(p.relative_to(tmp / "two" / "nvme"))
@@ -109,11 +111,13 @@ def test_zero3_lora_saves_a_complete_adapter(results):
     assert lora["base_weights_diff"] == 0.0
 
 
-def test_lora_with_tiled_mlps_under_zero2_matches_the_unsharded_run(results):
-    # ZeRO-2's gradient buckets take each adapter's gradient once, summed over the MLP's tiles by autograd.
+def test_the_long_sequence_settings_keep_the_gradients_and_move_the_block_inputs(results, fsdp2_runs):
+    # LoRA with the MLPs in tiles and the activation offload: ZeRO-2's gradient buckets take each adapter's gradient
+    # once, summed over the tiles by autograd. The offload moved what FSDP2's moves (the checkpointed blocks' inputs).
     ref, two = results
-    assert_same_gradients(ref["ddp:lora"], two["zero2:ds:lora:tile"])
-    assert two["zero2:ds:lora:tile"]["ds_stage"] == 2
+    assert_same_gradients(ref["ddp:lora"], two[LONG_LORA])
+    assert two[LONG_LORA]["ds_stage"] == 2 and two[LONG_LORA]["offloaded_bytes"] > 0
+    assert two["zero3:ds:ac:actoff"]["offloaded_bytes"] == fsdp2_runs[1]["zero3:ac:actoff"]["offloaded_bytes"] > 0
 
 
 def _train(out: Path, *extra: str, nproc: int = 2, cache: Path | None = None):

@@ -376,6 +376,29 @@ def test_tiled_mlp_on_the_gpu_keeps_the_loss_and_gradients_and_lowers_the_peak(c
     assert peak < plain_peak, (peak, plain_peak)
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_deepspeed_with_the_long_sequence_settings_trains_as_without_on_the_gpu(tmp_path, strategy):
+    """parallel.activation_offload (side-stream copies beside DeepSpeed's own streams) and parallel.tiled_mlp on the
+    DeepSpeed backend, bf16 on one GPU: the same losses as the run without them to bf16's rounding over 12 steps
+    (CPU, fp32, 2 processes: to 1e-7, tests/dist/test_deepspeed.py). Packed rows of 4,096 tokens: each block's input
+    (2 MiB) is over the offload's 1 MiB floor; tiles of 1,024 tokens."""
+    losses = {}
+    for name, extra in (("plain", []), ("long", ["parallel.activation_offload=true", "parallel.tiled_mlp=1024"])):
+        out = tmp_path / name
+        proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
+                         "parallel.backend=deepspeed", f"parallel.strategy={strategy}", "train.precision=bf16",
+                         "parallel.activation_checkpointing=full", "train.max_steps=12", "log.every=1",
+                         "train.lr=0.003", "data.packing=true", "train.seq_len=4096", "train.micro_batch_size=2",
+                         *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+        losses[name] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses["long"]) == len(losses["plain"]) == 12
+    assert losses["long"][-1] < losses["long"][0]
+    for a, b in zip(losses["long"], losses["plain"], strict=True):
+        assert a == pytest.approx(b, rel=2e-2)
+
+
 def test_a_memory_budget_holds_less_after_the_forward_with_the_same_gradients_on_the_gpu():
     """parallel.activation_memory_budget on the GPU (Triton kernels, flash attention): the tiny model in fp32,
     compiled blocks; what the forward leaves allocated (the saved activations) falls with the budget, and the loss

@@ -38,7 +38,7 @@ SUPPORTS = {
     "peft.method": ("none", "lora"),
     "optim.name": ("adamw",),
     "train.precision": ("fp32", "bf16", "fp16"),  # fp16 on GPUs only (check)
-    "parallel.activation_offload": ("false",),
+    "parallel.activation_offload": ("false", "true"),
     "parallel.shard_frozen": ("true",),
     "parallel.one_gpu": ("fsdp2",),
     "train.float8": ("false",),
@@ -51,9 +51,6 @@ REFUSALS = {
     ("train.float8", "rowwise"): FLOAT8_REFUSAL,
     ("parallel.strategy", "hsdp"): "parallel.strategy: hsdp (FSDP2's hybrid sharding) needs parallel.backend=fsdp2; "
                                    "set it, or use parallel.strategy=zero3 with deepspeed",
-    ("parallel.activation_offload", "true"): "parallel.activation_offload: true runs on parallel.backend=fsdp2 "
-                                             "(DeepSpeed's own cpu_checkpointing is not wired in); set "
-                                             "parallel.backend=fsdp2, or parallel.activation_offload=false",
     ("parallel.one_gpu", "direct"): "parallel.one_gpu: direct is FSDP2's one-process path (DeepSpeed runs its own "
                                     "engine); set parallel.backend=fsdp2, or parallel.one_gpu=fsdp2",
     ("parallel.shard_frozen", "false"): "parallel.shard_frozen: false is FSDP2's (DeepSpeed partitions every "

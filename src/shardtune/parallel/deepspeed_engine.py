@@ -55,7 +55,7 @@ class DeepSpeedBackend:
 
         _init_comm()
         self.attn_implementation = attn_implementation(model)
-        checkpoint_and_compile(model, blocks, self.parallel)  # compile: zero0-2 only (validate refuses zero3)
+        checkpoint_and_compile(model, blocks, self.parallel, self.ctx.device.type)  # compile: zero0-2 (validate)
         if self.stage == 3:
             self._materialise_partitioned(model, blocks, weights)
         else:
