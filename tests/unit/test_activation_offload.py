@@ -363,10 +363,10 @@ def _long_plan(seq: int, host_gib: int, *overrides: str):
 def test_the_search_moves_activations_to_the_host_where_nothing_else_fits() -> None:
     """8B QLoRA at 327,680 tokens on one H200 (what ran, bench/RESULTS.md 2026-12-04): only full checkpointing
     with the block inputs on the host fits, and `strategy: auto` finds it; at 131,072 tokens the GPU holds them
-    and the copies would cost time, so it does not. Set off in the config, only the MLPs in tiles fit
-    (parallel.tiled_mlp, forty-seventh session: the block inputs on the GPU), as with too little host memory for
-    the offload."""
-    from shardtune.plan import auto_overrides, config_for_auto
+    and the copies would cost time, so it does not. Set off in the config, nothing fits at 327,680 (the refusal
+    names the offload), and at 262,144 only the MLPs in tiles do (parallel.tiled_mlp: the block inputs on the GPU),
+    as with too little host memory for the offload."""
+    from shardtune.plan import auto_overrides, config_for_auto, refusal
 
     cfg, plan = _long_plan(327680, 128)
     assert plan.pick is not None and plan.pick.setting.activation_offload
@@ -374,13 +374,15 @@ def test_the_search_moves_activations_to_the_host_where_nothing_else_fits() -> N
     assert "parallel.activation_offload=true" in auto_overrides(config_for_auto(cfg, plan.pick.setting, plan.auto),
                                                                 plan.auto)
     assert not _long_plan(131072, 128)[1].pick.setting.activation_offload
-    kept = _long_plan(327680, 128, "parallel.activation_offload=false")[1].pick  # the block inputs on the GPU:
+    _, without = _long_plan(327680, 128, "parallel.activation_offload=false")
+    assert without.pick is None and "parallel.activation_offload=true fits" in refusal(without)
+    kept = _long_plan(262144, 128, "parallel.activation_offload=false")[1].pick  # the block inputs on the GPU:
     assert kept is not None and kept.setting.mlp_tiled and not kept.setting.activation_offload  # with the MLP's tiles
     _, compiled = _long_plan(327680, 128, "parallel.compile=true")  # offload goes with compile under checkpointing
     assert compiled.pick is not None and compiled.pick.setting.activation_offload and compiled.pick.setting.compile
     assert compiled.pick.setting.activation_checkpointing == "full"
     assert "fsdp2/zero2/none/activation_offload" not in compiled.to_json()["refused"]  # refused only without it
-    small = _long_plan(327680, 64)[1].pick  # the offload's 83 GiB of pinned host memory do not fit: the tiles do
+    small = _long_plan(262144, 64)[1].pick  # the offload's 64 GiB of pinned host memory do not fit: the tiles do
     assert small is not None and small.setting.mlp_tiled and not small.setting.activation_offload
 
 

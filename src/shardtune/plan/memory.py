@@ -46,10 +46,15 @@ DIRECT_FRAGMENTATION = 0.03
 # Long sequences: the allocator keeps the blocks its largest transients were cut from (a recomputed block's f-wide
 # MLP tensors, 9 GiB each at 327,680 tokens of the 8B shape), and reserved exceeds allocated by about 3.7 x p x f
 # per token: 12.9-32.0 GiB measured on 8B QLoRA at 131,072-327,680 tokens (calls 35-36, bench/RESULTS.md), where
-# the shares above would say 4-9 GiB. Whichever is larger is counted. Under parallel.tiled_mlp the MLP's tensors are
-# a tile's, and the widest transients the hidden-wide ones (the tiles' input and output, the norms): counted the same
-# way at h per token, or f per tile token where larger (a guess: not measured on a GPU yet).
+# the shares above would say 4-9 GiB. Whichever is larger is counted.
 CACHED_TRANSIENTS = 3.7
+# Under parallel.tiled_mlp the MLP's tensors are a tile's, and the widest transients the hidden-wide ones over the
+# whole micro-batch (TILED_HIDDEN_TRANSIENT): reserved exceeded allocated by 7.1 x ph per token eager (327,680 tokens,
+# call 147: 69.0 against 51.2 GiB) and 13.8 compiled with the checkpoint around (131,072 tokens, call 145: 34.0
+# against 20.2), where the eager share above said 0.4 x ph. One row each (8B QLoRA with the activation offload and
+# 8,192-token tiles on one H100); not checked on another.
+TILED_CACHED = 7.1
+TILED_CACHED_COMPILED = 13.8
 # train.float8 in compiled blocks: the partitioner keeps float8 copies where bf16 tensors were saved for backward
 # (matmul inputs cast once, reused by the gradient matmuls). Share of a block's saved bytes left, fitted on the 1B
 # without checkpointing (one H200, calls 64 and 66: 3.00 GiB less peak of the 9.27 GiB predicted for activations,
@@ -93,6 +98,14 @@ INSIDE_RECOMPUTE = 3.5
 # Llama blocks on CPU (bench/probe_inside_memory.py, forty-seventh session) held 3.7pf per tile token more as the
 # tile grew from 1,024 to 2,048 tokens: the larger count, so a plan errs toward not fitting. Not measured on a GPU.
 TILE_TRANSIENT = 6.0
+# ... and, once the MLP's tiles are done, the rest of the recomputed block's backward holds hidden-wide tensors over
+# the whole micro-batch: the block's output gradient, the MLP input's (the tiles' gradients joined), the norm's
+# gradients (in fp32 where eager). Untiled, the MLP's 2pf (7 x ph on the Llama shapes) hid them. 8B QLoRA with the
+# activation offload and 8,192-token tiles on one H100 (calls 145 and 147, bench/RESULTS.md forty-eighth session)
+# peaked 8.37 x ph per token over the recomputed block's saved activations compiled (the checkpoint around, 131,072
+# tokens: 20.18 GiB) and 7.98 eager (327,680 tokens: 51.20 GiB), where one tile's TILE_TRANSIENT alone priced them
+# 13.11 and 32.56. The larger, so a plan errs toward not fitting (eager +1.0 GiB). Fitted on these two rows only.
+TILED_HIDDEN_TRANSIENT = 8.4
 # Bytes of parallel.activation_offload's copies back the host may queue ahead of the GPU in backward
 # (parallel/prepare.py BACK_BYTES): without checkpointing they are each block's activations, on the GPU again
 # beside the block whose backward runs.
@@ -231,12 +244,14 @@ def backward_transient(m: ModelShape, s: Setting) -> float:
     compiled QLoRA block NF4_COMPILED_COPIES dequantised weights. Under parallel.tiled_mlp the MLP's backward runs
     one tile at a time, eagerly: the tile's recomputed 4pf and its backward's 2pf per token of the tile
     (TILE_TRANSIENT; tiny Llama blocks on CPU, bench/probe_inside_memory.py: the peak no longer grows with f, and
-    below it with the tile's size)."""
+    below it with the tile's size), or the rest of the block's hidden-wide gradients over every token
+    (TILED_HIDDEN_TRANSIENT), whichever is larger: the second at the lengths tiles are for (on a GPU)."""
     fixed = 0.0  # a compiled QLoRA block's dequantised weights in backward, unless the forward kept them all
     if s.compile and s.peft == "qlora" and not keeps_dequantised(s):
         fixed = NF4_COMPILED_COPIES * m.hidden * m.ffn * s.compute_bytes
     if s.mlp_tiled:
-        return TILE_TRANSIENT * s.compute_bytes * m.ffn * s.tiled_mlp + fixed
+        tile = TILE_TRANSIENT * m.ffn * s.tiled_mlp
+        return max(tile, TILED_HIDDEN_TRANSIENT * m.hidden * s.tokens) * s.compute_bytes + fixed
     extra = COMPILED_BACKWARD if s.compile else 0.0
     if s.checkpoint_traced:
         extra += INSIDE_RECOMPUTE
@@ -473,8 +488,11 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     frag = PEFT_FRAGMENTATION if s.peft != "none" else \
         (DIRECT_FRAGMENTATION if s.one_gpu_direct else FRAGMENTATION) + (RECOMPUTE_FRAGMENTATION if eager_recompute
                                                                          else 0.0)
-    widest = max(m.hidden * s.tokens, m.ffn * s.tiled_mlp) if s.mlp_tiled else m.ffn * s.tokens
-    reserved = max(allocated * (1 + frag), allocated + CACHED_TRANSIENTS * s.compute_bytes * widest)
+    if s.mlp_tiled:
+        cached = (TILED_CACHED_COMPILED if s.compile else TILED_CACHED) * m.hidden * s.tokens
+    else:
+        cached = CACHED_TRANSIENTS * m.ffn * s.tokens
+    reserved = max(allocated * (1 + frag), allocated + cached * s.compute_bytes)
     context = CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0.0) + (COMPILE_WORKSPACE if s.compile else 0.0)
     return Memory(terms=terms, phase=phase, allocated=allocated, reserved=reserved, total=reserved + context,
                   host=host_memory(m, s, states, offloaded))
