@@ -8,7 +8,8 @@ A variant is `strategy[:option...]`, options: bf16, fp16, ac (activation checkpo
 optimizer), s2 (parallel.shard_size=2, for hsdp), local (parallel.shard_frozen=false), noclip
 (optim.max_grad_norm=0, lr 1e-2), mb8 / mb1 (micro-batch 8 x accumulation 1 / micro-batch 1 x accumulation 4), aot
 (torch.compile with the aot_eager backend: Dynamo's graphs and AOTAutograd's partition without Inductor's C++, as
-conftest's `without_inductor`). For each variant rank 0 records the loss and grad-norm (before clipping)
+conftest's `without_inductor`), fused (model.liger: loss, with the fused loss's plain-torch contract for Liger's
+kernel: `reference_fused_loss`). For each variant rank 0 records the loss and grad-norm (before clipping)
 trajectories, facts that prove a feature was on (`Probe`: block recomputes, activation dtypes, document masks;
 compiled graphs, NF4 parameters, optimizer state types, the DeepSpeed stage), whether every parameter is a DTensor
 sharded on dim 0, and the largest logit difference between the trained (sharded) model and the Hugging Face
@@ -74,7 +75,8 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "mb1": "train.micro_batch_size=1 train.grad_accum=4",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}",
-           "aot": ""}  # no override: the compile backend (`compile_backend`)
+           "aot": "",  # no override: the compile backend (`compile_backend`)
+           "fused": "model.liger=loss"}  # with `reference_fused_loss` standing in for Liger's kernel
 
 
 def _is_block(module: torch.nn.Module) -> bool:
@@ -250,6 +252,31 @@ def offload_all(on: bool) -> Iterator[list]:
         prepare.offload_activations = original
 
 
+@contextlib.contextmanager
+def reference_fused_loss(on: bool) -> Iterator[list]:
+    """model.liger: loss on a CPU: the loop installs models/liger.py's fused-loss forward as on a GPU, with
+    `reference_fused_loss` (the fused loss's contract in plain torch) for Liger's Triton kernel; yields the list of
+    the LM head weights' types it was called with (one per micro-batch: the fused path ran)."""
+    import shardtune.models.liger as liger
+
+    calls: list = []
+    if not on:
+        yield calls
+        return
+
+    def loss(weight, hidden, targets):
+        calls.append(type(weight).__name__)
+        return liger.reference_fused_loss(weight, hidden, targets)
+
+    saved = shardtune.train.loop.use_liger, liger.liger_loss
+    shardtune.train.loop.use_liger = lambda *args: True
+    liger.liger_loss = lambda *args: loss
+    try:
+        yield calls
+    finally:
+        shardtune.train.loop.use_liger, liger.liger_loss = saved
+
+
 def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -388,7 +415,8 @@ def main() -> None:
         probe, graphs = Probe(), compiled_graphs()
         PROBES.clear()
         try:
-            with compile_backend("aot_eager" if "aot" in opts else None), offload_all("actoff" in opts) as offloads:
+            with compile_backend("aot_eager" if "aot" in opts else None), offload_all("actoff" in opts) as offloads, \
+                    reference_fused_loss("fused" in opts) as fused_calls:
                 result = run_training(config_from_dict(BASE, overrides), ctx)
         finally:
             probe.close()
@@ -406,7 +434,7 @@ def main() -> None:
                             "dtypes": param_dtypes(backend.module), "comm": summary["comm"],
                             "numel": model_numel(backend.module), "logged": logged_fields(summary["output_dir"]),
                             "output_dir": summary["output_dir"], "load": loads,
-                            "offloaded_bytes": sum(o.moved_bytes for o in offloads)}
+                            "offloaded_bytes": sum(o.moved_bytes for o in offloads), "fused_calls": fused_calls}
         if summary.get("adapter_dir") and ctx.is_main:  # the file exists on rank 0 once save_adapter returns
             from safetensors.torch import load_file
 

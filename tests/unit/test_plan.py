@@ -111,8 +111,10 @@ def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
     assert logits_bytes(one_b, s) == fused_loss_bytes(one_b, s)
     drop = gpu_memory(one_b, replace(s, fused_loss=False)).allocated - gpu_memory(one_b, s).allocated
     assert drop / 2**30 == pytest.approx(10.2, rel=0.10)
-    # DeepSpeed keeps the plain loss; a frozen LM head (LoRA) has no gradient to keep.
-    assert logits_bytes(one_b, replace(s, backend="deepspeed")) == (2 * 2 + 8) * 128256 * 8192
+    # DeepSpeed's ZeRO-3 keeps the plain loss (its stages 0-2 take the fused one); a frozen LM head (LoRA) has no
+    # gradient to keep.
+    assert logits_bytes(one_b, replace(s, backend="deepspeed")) == fused_loss_bytes(one_b, s)
+    assert logits_bytes(one_b, replace(s, backend="deepspeed", strategy="zero3")) == (2 * 2 + 8) * 128256 * 8192
     assert fused_loss_bytes(one_b, replace(s, peft="lora")) == 256 * 128256 * 2 + held
     # model.liger_chunk: 1,024-token chunks hold four times the logits of Liger's own 256 (with the bf16 sum, the
     # default, a chunk's logits are alive beside it).
@@ -885,7 +887,9 @@ def test_the_plan_prices_compile_and_liger_where_the_run_goes_without(monkeypatc
         assert liger.setting.fused_loss_runs and liger.memory.terms.get("logits", 0.0) == 0.0
         assert "pip install liger-kernel" in said["liger"] and "the logits are never made" in said["liger"]
         assert "takes Liger's kernels and fused loss" in said["liger"]  # uncompiled: both
-        assert "liger" not in lines("parallel.backend=deepspeed")[0].alternatives  # compiled, plain loss: nothing
+        assert "liger" in lines("parallel.backend=deepspeed")[0].alternatives  # compiled: the fused loss
+        ds_zero3 = lines("parallel.backend=deepspeed", "parallel.strategy=zero3", "parallel.compile=false")[0]
+        assert not ds_zero3.alternatives["liger"].setting.fused_loss_runs  # uncompiled: the kernels, the plain loss
         head = lines("parallel.compile=false", "peft.method=lora", "peft.target_modules=[q_proj,lm_head]")[1]
         assert "takes Liger's kernels:" in head["liger"] and "logits" not in head["liger"]  # the loss stays plain
         assert "liger" not in lines("peft.method=lora", "peft.target_modules=[q_proj,lm_head]")[1]  # compiled

@@ -47,6 +47,12 @@ class DeepSpeedBackend:
         self.attn_implementation = "sdpa"
         self.skip_nonfinite = True  # the loop sets train.skip_nonfinite (validate refuses false above stage 0)
         self._skipped_here = False  # the last step()'s update was skipped by this backend (stage 0)
+        if self.stage < 3:
+            # The model's forward computes the summed loss itself when given labels (models/liger.py's fused linear
+            # + cross-entropy, set by the loop where model.liger takes it). Not under ZeRO-3: the fused loss reads
+            # the partitioned LM head without calling it, and DeepSpeed gathers a module's weights at its call
+            # (plan/backends.py DeepSpeedRules.computes_fused_loss).
+            self.fused_loss = False
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -111,9 +117,14 @@ class DeepSpeedBackend:
         inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
         return self.engine(**inputs, use_cache=False).logits
 
+    def _fused_loss(self, batch: Batch) -> torch.Tensor:
+        inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
+        return self.engine(**inputs, labels=batch.labels, use_cache=False).loss
+
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         self.engine.set_gradient_accumulation_boundary(sync_grads)
-        loss = self.loss(self.forward(batch), batch.labels) / normalizer
+        fused = getattr(self, "fused_loss", False)
+        loss = (self._fused_loss(batch) if fused else self.loss(self.forward(batch), batch.labels)) / normalizer
         # The engine averages gradients over ranks; the loss is already normalised by the step's
         # global token count (and is not divided by the accumulation steps: scale_wrt_gas=False).
         self.engine.backward(loss * self.ctx.world, scale_wrt_gas=False)

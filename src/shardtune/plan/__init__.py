@@ -318,7 +318,7 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
     if not liger_installed() and auto_would_take(cfg.model.liger, "cuda", getattr(hf_config, "model_type", ""),
                                                  compiled=s.compile, adapted_head=adapted_head,
-                                                 computes_fused_loss=s.rules.computes_fused_loss):
+                                                 computes_fused_loss=s.rules.computes_fused_loss(s)):
         out["liger"] = s.replace(fused_loss=not adapted_head, liger_kernels=liger_kernels_wanted("auto", s.compile))
     return {name: price(plan.shape, alt, plan.hardware, plan.result.capacity, plan.result.host_capacity)
             for name, alt in out.items()}

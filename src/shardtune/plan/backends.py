@@ -37,9 +37,12 @@ class Fsdp2Rules:
     """PyTorch FSDP2 (zero2 / zero3 / hsdp: fully_shard per decoder block) and DDP with autocast (ddp)."""
 
     name = "fsdp2"
-    computes_fused_loss = True  # Liger's fused linear + cross-entropy runs inside the root's forward
     keeps_deepspeed_section = False
     has_one_gpu_direct = True  # parallel.one_gpu: direct (zero2 / zero3 on one process without FSDP2)
+
+    def computes_fused_loss(self, s: Setting) -> bool:
+        """Liger's fused linear + cross-entropy runs inside the root's forward (FSDP2 gathers the LM head there)."""
+        return True
 
     def param_shards(self, s: Setting) -> int:
         """Processes that share one copy of the parameters (1: each holds them whole)."""
@@ -165,9 +168,13 @@ class DeepSpeedRules:
     """DeepSpeed ZeRO stages 0-3 (ddp, zero1, zero2, zero3), with CPU / NVMe offload."""
 
     name = "deepspeed"
-    computes_fused_loss = False  # the DeepSpeed backend keeps the plain loss
     keeps_deepspeed_section = True
     has_one_gpu_direct = False
+
+    def computes_fused_loss(self, s: Setting) -> bool:
+        """Liger's fused loss below stage 3. ZeRO-3 partitions the LM head, which the fused loss reads without
+        calling it, and DeepSpeed gathers a module's weights when it is called (the plain loss stays there)."""
+        return s.strategy != "zero3"
 
     def param_shards(self, s: Setting) -> int:
         return s.world if s.strategy == "zero3" else 1

@@ -189,7 +189,8 @@ def kernel_efficiency(m: ModelShape, s: Setting) -> float:
 
 
 def liger_efficiency(s: Setting) -> float:
-    """Liger's effect on the block and loss kernels (LIGER_EFF); 1 without it. DeepSpeed keeps the plain loss."""
+    """Liger's effect on the block and loss kernels (LIGER_EFF); 1 without it. DeepSpeed's ZeRO-3 keeps the plain
+    loss."""
     if not (s.liger_kernels or s.fused_loss_runs):
         return 1.0
     if s.peft != "none":

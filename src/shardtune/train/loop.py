@@ -321,7 +321,8 @@ def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backe
     parts = (["RMSNorm, RoPE, SwiGLU kernels"] if kernels else []) + (
         ["fused linear + cross-entropy loss" + (" (the head's gradient summed in fp32)" if head_in_fp32 else "")]
         if fused else
-        ["the loss stays plain (LoRA on lm_head)" if adapted_head else "the loss stays plain on this backend"])
+        ["the loss stays plain (LoRA on lm_head)" if adapted_head else
+         "the loss stays plain on this backend (DeepSpeed's ZeRO-3 partitions the LM head the fused loss reads)"])
     log_rank0(ctx.rank, "liger: " + ", ".join(parts))
 
 
