@@ -264,7 +264,7 @@ PROJECTIONS = 7  # q, k, v, o, gate, up, down: a llama block's linear layers
 # CPU core) into the session's Inductor cache, where the two ranks of the second launch find them instead of both
 # compiling the same graphs at once (107 s there in CI stop 24's tree).
 ONE_PROCESS_VARIANTS = ["ddp", "ddp:packed", "ddp:lora", "ddp:qlora", "ddp:adamw8bit", "zero3:qlora", "ddp:noclip",
-                        "ddp:mb8", "zero3:compile", "zero3:lora:local"]
+                        "ddp:mb8", "zero3:compile:aot", "zero3:lora:local"]
 TWO_PROCESS_VARIANTS = ["ddp", "zero2", "zero3", "zero3:ac", "zero3:compile", "zero3:ac:compile",
                         "zero3:ac:compile:around", "zero3:compile:budget", "zero3:ac:actoff",
                         "zero3:compile:budget:actoff", "zero3:ac:cb1", "zero3:ac:compile:cb1:aot",

@@ -45,7 +45,7 @@ def results(fsdp2_runs, tmp_path_factory, micro_model_dir):
     two["_ref_full"] = refs["ddp"]
     two["_ref_noclip"] = refs["ddp:noclip"]
     two["_one_mb8"] = refs["ddp:mb8"]
-    two["_one_compile"] = refs["zero3:compile"]
+    two["_one_compile"] = refs["zero3:compile:aot"]
     two["_one_lora_local"] = refs["zero3:lora:local"]
     return refs["ddp"], two
 
@@ -265,7 +265,9 @@ def test_compile_produces_compiled_graphs(results):
     assert two["zero3:ac:compile"]["compiled_graphs"] > 0 and two["zero3:ac:compile:around"]["compiled_graphs"] > 0
     assert two["zero3:compile:budget"]["compiled_graphs"] > 0
     assert two["zero3"]["compiled_graphs"] == 0
-    assert_same_gradients(ref, two["_one_compile"])  # compiled on one process too (whose graphs the two ranks reuse)
+    # compiled on one process too: traced and partitioned as on two (aot_eager: Inductor's cold start, ~45 s of C++ on
+    # CI's 2 cores, is paid once, by the two-process zero3:compile)
+    assert_same_gradients(ref, two["_one_compile"])
 
 
 def test_compiled_qlora_blocks_under_zero3_train_as_eager_with_one_graph_for_every_block(results):

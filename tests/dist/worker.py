@@ -253,7 +253,7 @@ def offload_all(on: bool) -> Iterator[list]:
 
 
 @contextlib.contextmanager
-def reference_fused_loss(on: bool) -> Iterator[list]:
+def fused_loss_stand_in(on: bool) -> Iterator[list]:
     """model.liger: loss on a CPU: the loop installs models/liger.py's fused-loss forward as on a GPU, with
     `reference_fused_loss` (the fused loss's contract in plain torch) for Liger's Triton kernel; yields the list of
     the LM head weights' types it was called with (one per micro-batch: the fused path ran)."""
@@ -416,7 +416,7 @@ def main() -> None:
         PROBES.clear()
         try:
             with compile_backend("aot_eager" if "aot" in opts else None), offload_all("actoff" in opts) as offloads, \
-                    reference_fused_loss("fused" in opts) as fused_calls:
+                    fused_loss_stand_in("fused" in opts) as fused_calls:
                 result = run_training(config_from_dict(BASE, overrides), ctx)
         finally:
             probe.close()

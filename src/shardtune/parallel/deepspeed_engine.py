@@ -114,12 +114,13 @@ class DeepSpeedBackend:
 
     # ---- the step -------------------------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:
-        inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
-        return self.engine(**inputs, use_cache=False).logits
+        return self.engine(**self._inputs(batch), use_cache=False).logits
+
+    def _inputs(self, batch: Batch) -> dict[str, Any]:
+        return model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
 
     def _fused_loss(self, batch: Batch) -> torch.Tensor:
-        inputs = model_inputs(batch, self.attn_implementation, dtype=self.compute_dtype)
-        return self.engine(**inputs, labels=batch.labels, use_cache=False).loss
+        return self.engine(**self._inputs(batch), labels=batch.labels, use_cache=False).loss
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         self.engine.set_gradient_accumulation_boundary(sync_grads)

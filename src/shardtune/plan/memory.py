@@ -96,7 +96,8 @@ INSIDE_RECOMPUTE = 3.5
 # parallel.tiled_mlp: what one tile's backward holds, x p x f per token of the tile: its recomputed gate, up, SiLU
 # and product (4pf, eager) and their gradients' 2pf (backward_transient's untiled count, measured on the GPU). Tiny
 # Llama blocks on CPU (bench/probe_inside_memory.py, forty-seventh session) held 3.7pf per tile token more as the
-# tile grew from 1,024 to 2,048 tokens: the larger count, so a plan errs toward not fitting. Not measured on a GPU.
+# tile grew from 1,024 to 2,048 tokens: the larger count, so a plan errs toward not fitting. Not measured on a GPU
+# (at the lengths measured there, the hidden-wide gradients below set the peak).
 TILE_TRANSIENT = 6.0
 # ... and, once the MLP's tiles are done, the rest of the recomputed block's backward holds hidden-wide tensors over
 # the whole micro-batch: the block's output gradient, the MLP input's (the tiles' gradients joined), the norm's
