@@ -12,13 +12,26 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _step_records(out) -> list[dict]:
+    """A run's metrics.jsonl records of training steps (evaluations left out)."""
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+
+
+def _tiny_losses(out, *overrides: str) -> list[float]:
+    """examples/tiny.yaml trained on one GPU with `overrides`, logging every step: its losses."""
+    proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
+                     "log.every=1", *overrides)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [r["loss"] for r in _step_records(out) if "loss" in r]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_bf16_training_on_all_gpus(tmp_path, strategy):
     out = tmp_path / strategy
     proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "auto", "--output-dir", str(out),
                      f"parallel.strategy={strategy}", "train.precision=bf16", "train.max_steps=20", "log.every=5")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+    steps = _step_records(out)
     assert "x cuda" in proc.stderr
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert steps[-1]["mfu"] is not None and steps[-1]["peak_mem_gib"] > 0
@@ -54,7 +67,7 @@ def test_profiled_steps_give_the_collectives_achieved_bus_bandwidth(tmp_path):
         row = profiled[kind]
         assert row["kernels_per_step"] >= 1 and row["kernel_ms_per_step"] > 0
         assert 1e6 < row["bus_bytes_per_s"] < 2e12  # between 1 MB/s and past NVLink's peak: a rate, not garbage
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+    records = _step_records(out)
     logged = [r for r in records if "comm_all_gather_bus_gbps" in r]
     assert len(logged) == 1 and logged[0]["step"] == 8  # the first record after the profiled steps 5-6, once
     assert "bus GB/s" in (out / "profile" / "rank0.txt").read_text()
@@ -99,15 +112,9 @@ def test_direct_trains_peft_as_fsdp2_on_one_gpu(tmp_path, peft):
     tiny LoRA run spikes (grad norm 3.9 at step 12) and amplifies the two paths' rounding (dividing the gradients
     by the clip's factor in the kernel against multiplying them first) to 1.5% by step 20 on CPU and 7% on an
     H200 (2026-12-04); at 3e-3 CPU keeps them within 1.4e-4 over the 20 steps."""
-    losses = {}
-    for mode in ("fsdp2", "direct"):
-        out = tmp_path / mode
-        proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
-                         f"peft.method={peft}", "train.precision=bf16", "train.max_steps=20", "log.every=1",
-                         "parallel.strategy=zero2", f"parallel.one_gpu={mode}", "train.lr=0.003")
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
-        losses[mode] = [r["loss"] for r in records if "loss" in r]
+    losses = {mode: _tiny_losses(tmp_path / mode, f"peft.method={peft}", "train.precision=bf16", "train.max_steps=20",
+                                 "parallel.strategy=zero2", f"parallel.one_gpu={mode}", "train.lr=0.003")
+              for mode in ("fsdp2", "direct")}
     assert len(losses["direct"]) == len(losses["fsdp2"]) == 20
     assert losses["direct"][-1] < losses["direct"][0]
     for a, b in zip(losses["direct"], losses["fsdp2"], strict=True):
@@ -188,7 +195,7 @@ def test_the_default_takes_liger_where_it_is_installed(tmp_path):
         proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
                          "train.precision=bf16", "train.max_steps=20", "log.every=1", *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+        records = _step_records(out)
         losses[name], logs[name] = [r["loss"] for r in records if "loss" in r], proc.stderr
     assert "liger: RMSNorm, RoPE, SwiGLU kernels, fused linear + cross-entropy loss" in logs["auto"]
     assert "liger:" not in logs["off"]
@@ -209,7 +216,7 @@ def test_float8_trains_like_bf16_on_the_gpu(tmp_path):
                          "train.precision=bf16", f"train.float8={mode}", "train.max_steps=20", "log.every=1",
                          "train.lr=0.003")
         assert proc.returncode == 0, proc.stderr[-4000:]
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+        records = _step_records(out)
         losses[mode] = [r["loss"] for r in records if "loss" in r]
     assert "float8 (rowwise)" in proc.stderr
     for mode in ("tensorwise", "rowwise"):
@@ -237,7 +244,7 @@ def test_a_float8_lora_base_cast_once_gives_the_per_step_casts_losses(tmp_path):
                          "train.precision=bf16", "train.float8=tensorwise", "peft.method=lora",
                          f"peft.base_dtype={mode}", "parallel.compile=true", "train.max_steps=10", "log.every=1")
         assert proc.returncode == 0, proc.stderr[-4000:]
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+        records = _step_records(out)
         losses[mode] = [r["loss"] for r in records if "loss" in r]
     assert "float8 base: " in proc.stderr and "frozen layers kept as their float8 casts (" in proc.stderr  # GiB freed
     assert len(losses["float8"]) == 10
@@ -385,17 +392,11 @@ def test_deepspeed_with_the_long_sequence_settings_trains_as_without_on_the_gpu(
     DeepSpeed backend, bf16 on one GPU: the same losses as the run without them to bf16's rounding over 12 steps
     (CPU, fp32, 2 processes: to 1e-7, tests/dist/test_deepspeed.py). Packed rows of 4,096 tokens: each block's input
     (2 MiB) is over the offload's 1 MiB floor; tiles of 1,024 tokens."""
-    losses = {}
-    for name, extra in (("plain", []), ("long", ["parallel.activation_offload=true", "parallel.tiled_mlp=1024"])):
-        out = tmp_path / name
-        proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
-                         "parallel.backend=deepspeed", f"parallel.strategy={strategy}", "train.precision=bf16",
-                         "parallel.activation_checkpointing=full", "train.max_steps=12", "log.every=1",
-                         "train.lr=0.003", "data.packing=true", "train.seq_len=4096", "train.micro_batch_size=2",
-                         *extra)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
-        losses[name] = [r["loss"] for r in records if "loss" in r]
+    base = ["parallel.backend=deepspeed", f"parallel.strategy={strategy}", "train.precision=bf16",
+            "parallel.activation_checkpointing=full", "train.max_steps=12", "train.lr=0.003", "data.packing=true",
+            "train.seq_len=4096", "train.micro_batch_size=2"]
+    long = ["parallel.activation_offload=true", "parallel.tiled_mlp=1024"]
+    losses = {"plain": _tiny_losses(tmp_path / "plain", *base), "long": _tiny_losses(tmp_path / "long", *base, *long)}
     assert len(losses["long"]) == len(losses["plain"]) == 12
     assert losses["long"][-1] < losses["long"][0]
     for a, b in zip(losses["long"], losses["plain"], strict=True):
@@ -498,7 +499,7 @@ def test_lora_takes_the_host_embedding_by_default_on_a_gpu_and_trains_as_with_it
                          f"model.path={folder}", "model.preset=null", "peft.method=lora", "train.precision=bf16",
                          "train.max_steps=10", "log.every=1", "train.lr=0.003", *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+        records = _step_records(out)
         losses[name], logs[name] = [r["loss"] for r in records if "loss" in r], proc.stdout + proc.stderr
     assert "input embedding in host memory" in logs["auto"]  # the plan line on a GPU
     assert "input embedding in host memory" not in logs["gpu"]
