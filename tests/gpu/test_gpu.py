@@ -17,12 +17,12 @@ def _step_records(out) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
 
 
-def _tiny_losses(out, *overrides: str) -> list[float]:
-    """examples/tiny.yaml trained on one GPU with `overrides`, logging every step: its losses."""
+def _tiny_run(out, *overrides: str) -> tuple[list[float], str]:
+    """examples/tiny.yaml trained on one GPU with `overrides`, logging every step: (its losses, its stderr)."""
     proc = shardtune("train", str(ROOT / "examples" / "tiny.yaml"), "--nproc", "1", "--output-dir", str(out),
                      "log.every=1", *overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [r["loss"] for r in _step_records(out) if "loss" in r]
+    return [r["loss"] for r in _step_records(out) if "loss" in r], proc.stderr
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
@@ -112,8 +112,8 @@ def test_direct_trains_peft_as_fsdp2_on_one_gpu(tmp_path, peft):
     tiny LoRA run spikes (grad norm 3.9 at step 12) and amplifies the two paths' rounding (dividing the gradients
     by the clip's factor in the kernel against multiplying them first) to 1.5% by step 20 on CPU and 7% on an
     H200 (2026-12-04); at 3e-3 CPU keeps them within 1.4e-4 over the 20 steps."""
-    losses = {mode: _tiny_losses(tmp_path / mode, f"peft.method={peft}", "train.precision=bf16", "train.max_steps=20",
-                                 "parallel.strategy=zero2", f"parallel.one_gpu={mode}", "train.lr=0.003")
+    losses = {mode: _tiny_run(tmp_path / mode, f"peft.method={peft}", "train.precision=bf16", "train.max_steps=20",
+                              "parallel.strategy=zero2", f"parallel.one_gpu={mode}", "train.lr=0.003")[0]
               for mode in ("fsdp2", "direct")}
     assert len(losses["direct"]) == len(losses["fsdp2"]) == 20
     assert losses["direct"][-1] < losses["direct"][0]
@@ -396,10 +396,25 @@ def test_deepspeed_with_the_long_sequence_settings_trains_as_without_on_the_gpu(
             "parallel.activation_checkpointing=full", "train.max_steps=12", "train.lr=0.003", "data.packing=true",
             "train.seq_len=4096", "train.micro_batch_size=2"]
     long = ["parallel.activation_offload=true", "parallel.tiled_mlp=1024"]
-    losses = {"plain": _tiny_losses(tmp_path / "plain", *base), "long": _tiny_losses(tmp_path / "long", *base, *long)}
+    losses = {"plain": _tiny_run(tmp_path / "plain", *base)[0], "long": _tiny_run(tmp_path / "long", *base, *long)[0]}
     assert len(losses["long"]) == len(losses["plain"]) == 12
     assert losses["long"][-1] < losses["long"][0]
     for a, b in zip(losses["long"], losses["plain"], strict=True):
+        assert a == pytest.approx(b, rel=2e-2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_deepspeed_below_zero3_trains_with_liger_s_fused_loss_as_with_the_plain_one(tmp_path, strategy):
+    """model.liger: loss on the DeepSpeed backend's stages 0-2 (forty-eighth session; on CPU with the loss's
+    plain-torch contract, tests/dist/test_deepspeed.py): Liger's kernel gives the plain loss's losses to bf16's
+    rounding over 12 steps, and the run says it took it."""
+    base = ["parallel.backend=deepspeed", f"parallel.strategy={strategy}", "train.precision=bf16",
+            "train.max_steps=12", "train.lr=0.003"]
+    plain, _ = _tiny_run(tmp_path / "plain", *base, "model.liger=false")
+    fused, said = _tiny_run(tmp_path / "fused", *base, "model.liger=loss")
+    assert "liger: fused linear + cross-entropy loss" in said
+    assert len(fused) == len(plain) == 12 and fused[-1] < fused[0]
+    for a, b in zip(fused, plain, strict=True):
         assert a == pytest.approx(b, rel=2e-2)
 
 
