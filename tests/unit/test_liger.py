@@ -120,6 +120,18 @@ def test_validate_refuses_true_on_this_cpu_in_one_line(cli):
     one_line_error(cli("validate", TINY, "model.liger=loss"), "model.liger: loss needs CUDA GPUs")
 
 
+def test_loss_is_refused_under_deepspeed_zero3_in_one_line(cli):
+    """DeepSpeed's zero3 partitions the LM head, which the fused loss reads without calling it: `loss` is refused
+    there (before the CPU's own refusal); stages 0-2 run it (tests/dist/test_deepspeed.py), and auto keeps the
+    plain loss under zero3."""
+    from shardtune.parallel import check_combination
+
+    zero3 = ["parallel.backend=deepspeed", "parallel.strategy=zero3"]
+    one_line_error(cli("validate", TINY, *zero3, "model.liger=loss"), "model.liger: loss, but DeepSpeed's zero3")
+    check_combination(load_config(TINY, ["parallel.backend=deepspeed", "parallel.strategy=zero2", "model.liger=loss"]))
+    check_combination(load_config(TINY, [*zero3, "model.liger=auto"]))
+
+
 def test_lora_on_the_head_keeps_the_plain_loss(cli):
     """Liger's fused loss reads lm_head.weight alone: with LoRA on lm_head it would skip the adapter (zero gradient,
     an untrained head adapter exported). `loss` is refused in one line; auto / true keep the plain loss, and the
