@@ -105,9 +105,10 @@ def checkpoint_traced(p: ParallelConfig) -> bool:
     return traces_checkpoint(p.compile, p.activation_checkpointing, p.checkpoint_in_compile, long_sequence(p))
 
 
-def long_sequence(p: ParallelConfig) -> bool:
+def long_sequence(p: ParallelConfig | Any) -> bool:
     """Settings made for sequences too long for the GPU (activation_offload, tiled_mlp), under which
-    checkpoint_in_compile's auto keeps the checkpoint around the compiled blocks (traces_checkpoint)."""
+    checkpoint_in_compile's auto keeps the checkpoint around the compiled blocks (traces_checkpoint). `p`: the
+    config's parallel section, or the planner's Setting (the same two fields)."""
     return p.activation_offload or p.tiled_mlp is not None
 
 

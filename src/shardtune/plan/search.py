@@ -191,8 +191,8 @@ def _tiles_are_a_trade(s: Setting, supported: Callable[[Setting], str | None]) -
     full checkpointing, the checkpoint not forced inside compiled blocks, and the backend runs it): priced beside,
     one more MLP forward a step for the MLP's intermediates off the recomputed block's peak, so the pick (fastest
     that fits) takes it only where nothing untiled fits. Under full checkpointing only, what it is for (without a
-    checkpoint the tiles run too, as a config asks; the search does not offer them there). Not measured on a GPU
-    yet."""
+    checkpoint the tiles run too, as a config asks; the search does not offer them there). On one H100 the pick
+    ran 327,680 tokens of 8B QLoRA at 51.2 GiB (call 147)."""
     if s.tiled_mlp is not None or s.tokens <= SEARCHED_TILE or s.activation_checkpointing != "full":
         return False
     if s.checkpoint_in_compile is True:

@@ -101,10 +101,10 @@ class Setting:
     def checkpoint_traced(self) -> bool:
         """Compile traces each block's checkpoint: the recompute inside the compiled backward
         (parallel.traces_checkpoint, the rule the run follows)."""
-        from shardtune.parallel import traces_checkpoint
+        from shardtune.parallel import long_sequence, traces_checkpoint
 
         return traces_checkpoint(self.compile, self.activation_checkpointing, self.checkpoint_in_compile,
-                                 self.activation_offload or self.tiled_mlp is not None)
+                                 long_sequence(self))
 
     @property
     def recompute_compiled(self) -> bool:
