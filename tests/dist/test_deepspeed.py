@@ -23,6 +23,7 @@ from conftest import (
     worker_results,
 )
 
+from shardtune.models.presets import PRESETS
 from shardtune.parallel.deepspeed import async_io_available
 
 pytestmark = pytest.mark.dist
@@ -41,6 +42,9 @@ DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero3:d
            "zero3:ds:ac:actoff", "zero2:ds:offload", "zero3:ds:offparams", "zero3:ds:nvme"]
 LONG_LORA = "zero2:ds:lora:ac:tile:actoff"  # the long-sequence settings together, under ZeRO-2's gradient buckets
 FUSED = "zero2:ds:fused"  # model.liger: loss (its plain-torch contract standing in for Liger's kernel)
+# Under ZeRO-3 with every weight partitioned and released (nopersist): the tied head (the 1B shape's kind), and an
+# LM head of its own (the 8B shapes'), against the plain loss of the same model and engine.
+FUSED_ZERO3 = ["zero3:ds:fused:nopersist", "zero3:ds:untied:nopersist", "zero3:ds:untied:fused:nopersist"]
 RUNNABLE = [v for v in DS_FP32 if NVME or v != "zero3:ds:nvme"]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -50,12 +54,30 @@ def results(tmp_path_factory, fsdp2_runs, micro_model_dir):
     """(the FSDP2 launches of tests/conftest.py's fsdp2_runs, this module's DeepSpeed launch)"""
     tmp = tmp_path_factory.mktemp("ds")
     one, fsdp2 = fsdp2_runs
-    two = worker_results(tmp / "two", 2, 2, [*RUNNABLE, "zero3:ds:lora", LONG_LORA, "zero3:ds:bf16", FUSED],
-                         env={"SHARDTUNE_TEST_MODEL_DIR": str(micro_model_dir)})
+    two = worker_results(tmp / "two", 2, 2, [*RUNNABLE, "zero3:ds:lora", LONG_LORA, "zero3:ds:bf16", FUSED,
+                                             *FUSED_ZERO3],
+                         env={"SHARDTUNE_TEST_MODEL_DIR": str(micro_model_dir),
+                              "SHARDTUNE_TEST_UNTIED_DIR": str(_untied_micro_llama(tmp / "untied"))})
     two["zero2"], two["zero3"] = fsdp2["zero2"], fsdp2["zero3"]
     two["nvme_swap_files"] = sorted(str(p.relative_to(tmp / "two" / "nvme"))
                                     for p in (tmp / "two" / "nvme").rglob("*.swp") if p.stat().st_size > 0)
     return one, two
+
+
+def _untied_micro_llama(out: Path) -> Path:
+    """micro-llama with an LM head of its own, written as transformers writes a model (random init, seed 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.models.presets import preset_config
+    from shardtune.models.tokenizer import load_tokenizer
+
+    config = preset_config("micro-llama")
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    load_tokenizer(None).save_pretrained(out)
+    return out
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.skipif(not NVME, reason=NO_LIBAIO))
@@ -121,14 +143,25 @@ def test_the_long_sequence_settings_keep_the_gradients_and_move_the_block_inputs
     assert two["zero3:ds:ac:actoff"]["offloaded_bytes"] == fsdp2_runs[1]["zero3:ac:actoff"]["offloaded_bytes"] > 0
 
 
-def test_the_fused_loss_runs_below_zero3_with_the_plain_losses_and_gradients(results):
-    # Liger's fused linear + cross-entropy inside the model's forward (models/liger.py), as under FSDP2: under ZeRO-2
-    # the LM head (tied to the embedding here) is whole. (ZeRO-3 partitions it, and the fused loss reads it without
-    # calling it: `loss` is refused there, tests/unit/test_liger.py, and auto keeps the plain loss.)
+def test_the_fused_loss_with_the_plain_losses_and_gradients(results):
+    # Liger's fused linear + cross-entropy inside the model's forward (models/liger.py), as under FSDP2. Under ZeRO-2
+    # the LM head (tied to the embedding here) is whole. ZeRO-3 partitions it, and the fused loss reads it without
+    # calling it: the head's weight is an external parameter of the loss's module, gathered for the loss and again
+    # for its backward, tied or not.
     ref, two = results
     assert_same_gradients(ref["ddp"], two[FUSED])
-    assert set(two[FUSED]["fused_calls"]) == {"Parameter"}  # every micro-batch, the whole head
-    assert len(two[FUSED]["fused_calls"]) >= 6 * 2  # steps x accumulation
+    assert_same_gradients(ref["ddp"], two["zero3:ds:fused:nopersist"])
+    assert_same_gradients(two["zero3:ds:untied:nopersist"], two["zero3:ds:untied:fused:nopersist"])
+    micro = PRESETS["micro-llama"]
+    head = micro["vocab_size"] * micro["hidden_size"]  # the whole head in every call, never a partition
+    for variant in (FUSED, "zero3:ds:fused:nopersist", "zero3:ds:untied:fused:nopersist"):
+        calls = two[variant]["fused_calls"]
+        assert {tuple(call) for call in calls} == {("Parameter", head)}, variant  # every micro-batch
+        assert len(calls) >= 6 * 2  # steps x accumulation
+        assert two[variant]["ds_stage"] == int(variant[4])
+    assert not two["zero3:ds:untied:nopersist"]["fused_calls"]  # the plain loss ran there
+    # and the untied model trained its own head: a different model from the tied one
+    assert two["zero3:ds:untied:nopersist"]["losses"] != two["zero3:ds:fused:nopersist"]["losses"]
 
 
 def _train(out: Path, *extra: str, nproc: int = 2, cache: Path | None = None):

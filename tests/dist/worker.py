@@ -75,6 +75,11 @@ OPTIONS = {"bf16": "train.precision=bf16", "fp16": "train.precision=fp16",
            "mb1": "train.micro_batch_size=1 train.grad_accum=4",
            # Weights from the HF directory in $SHARDTUNE_TEST_MODEL_DIR instead of the preset.
            "dir": "model.preset=null model.path={model_dir}",
+           # micro-llama with its own LM head (the 8B shapes' kind) from $SHARDTUNE_TEST_UNTIED_DIR.
+           "untied": "model.preset=null model.path={untied_dir}",
+           # ZeRO-3 partitions and releases every weight (by default one under 100k elements, all of micro-llama's,
+           # stays whole on every rank).
+           "nopersist": "deepspeed.zero_optimization.stage3_param_persistence_threshold=0",
            "aot": "",  # no override: the compile backend (`compile_backend`)
            "fused": "model.liger=loss"}  # with `reference_fused_loss` standing in for Liger's kernel
 
@@ -256,7 +261,7 @@ def offload_all(on: bool) -> Iterator[list]:
 def fused_loss_stand_in(on: bool) -> Iterator[list]:
     """model.liger: loss on a CPU: the loop installs models/liger.py's fused-loss forward as on a GPU, with
     `reference_fused_loss` (the fused loss's contract in plain torch) for Liger's Triton kernel; yields the list of
-    the LM head weights' types it was called with (one per micro-batch: the fused path ran)."""
+    the LM head weights' [type, element count] it was called with (one per micro-batch: the fused path ran)."""
     import shardtune.models.liger as liger
 
     calls: list = []
@@ -265,7 +270,7 @@ def fused_loss_stand_in(on: bool) -> Iterator[list]:
         return
 
     def loss(weight, hidden, targets):
-        calls.append(type(weight).__name__)
+        calls.append([type(weight).__name__, weight.numel()])
         return liger.reference_fused_loss(weight, hidden, targets)
 
     saved = shardtune.train.loop.use_liger, liger.liger_loss
@@ -398,6 +403,7 @@ def main() -> None:
         started = time.perf_counter()
         strategy, *opts = variant.split(":")
         extra = " ".join(OPTIONS[o] for o in opts).format(model_dir=os.environ.get("SHARDTUNE_TEST_MODEL_DIR"),
+                                                          untied_dir=os.environ.get("SHARDTUNE_TEST_UNTIED_DIR"),
                                                           nvme_dir=nvme_dir)
         # zero2 and zero3 write OUTPUT_DIR/report as `train` does by default (tests/dist/test_report.py reads
         # them); the other variants skip its ~2 s of plotting.

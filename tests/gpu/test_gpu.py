@@ -403,11 +403,12 @@ def test_deepspeed_with_the_long_sequence_settings_trains_as_without_on_the_gpu(
         assert a == pytest.approx(b, rel=2e-2)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_deepspeed_below_zero3_trains_with_liger_s_fused_loss_as_with_the_plain_one(tmp_path, strategy):
-    """model.liger: loss on the DeepSpeed backend's stages 0-2 (forty-eighth session; on CPU with the loss's
-    plain-torch contract, tests/dist/test_deepspeed.py): Liger's kernel gives the plain loss's losses to bf16's
-    rounding over 12 steps, and the run says it took it."""
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_deepspeed_trains_with_liger_s_fused_loss_as_with_the_plain_one(tmp_path, strategy):
+    """model.liger: loss on the DeepSpeed backend (stages 0-2 since the forty-eighth session, ZeRO-3 with the LM
+    head gathered for the loss's module since the forty-ninth; on CPU with the loss's plain-torch contract,
+    tests/dist/test_deepspeed.py): Liger's kernel, which computes the head's gradient in its forward, gives the
+    plain loss's losses to bf16's rounding over 12 steps, and the run says it took it."""
     base = ["parallel.backend=deepspeed", f"parallel.strategy={strategy}", "train.precision=bf16",
             "train.max_steps=12", "train.lr=0.003"]
     plain, _ = _tiny_run(tmp_path / "plain", *base, "model.liger=false")

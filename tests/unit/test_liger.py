@@ -103,14 +103,13 @@ def test_which_kernels_each_setting_swaps_in():
 
 def test_what_auto_would_take_once_installed():
     """The rule behind "pip install liger-kernel" (the run's start line and `shardtune plan`): auto takes the
-    kernels without compile, the fused loss where the backend computes it and the head has no adapter; nothing on
+    kernels without compile, the fused loss where the head has no adapter (every backend computes it); nothing on
     a CPU, on another model type, or for any other setting."""
-    def takes(setting="auto", device="cuda", model="llama", compiled=True, fused=True, head=False):
-        return auto_would_take(setting, device, model, compiled=compiled, computes_fused_loss=fused,
-                               adapted_head=head)
+    def takes(setting="auto", device="cuda", model="llama", compiled=True, head=False):
+        return auto_would_take(setting, device, model, compiled=compiled, adapted_head=head)
 
-    assert takes() and takes(compiled=False, fused=False) and takes(compiled=False, head=True)
-    assert not takes(fused=False) and not takes(head=True)  # compiled DeepSpeed; LoRA on lm_head under compile
+    assert takes() and takes(compiled=False) and takes(compiled=False, head=True)
+    assert not takes(head=True)  # LoRA on lm_head under compile: no kernels, no fused loss
     assert not takes(device="cpu") and not takes(model="gpt2")
     assert not takes(setting=True) and not takes(setting="loss") and not takes(setting=False)
 
@@ -120,16 +119,16 @@ def test_validate_refuses_true_on_this_cpu_in_one_line(cli):
     one_line_error(cli("validate", TINY, "model.liger=loss"), "model.liger: loss needs CUDA GPUs")
 
 
-def test_loss_is_refused_under_deepspeed_zero3_in_one_line(cli):
-    """DeepSpeed's zero3 partitions the LM head, which the fused loss reads without calling it: `loss` is refused
-    there (before the CPU's own refusal); stages 0-2 run it (tests/dist/test_deepspeed.py), and auto keeps the
-    plain loss under zero3."""
+def test_loss_is_taken_on_every_deepspeed_stage(cli):
+    """DeepSpeed's stages 0-3 run the fused loss (ZeRO-3 gathers the LM head for it as an external parameter of
+    the loss's module: tests/dist/test_deepspeed.py); on this CPU only the CPU's own refusal remains."""
     from shardtune.parallel import check_combination
 
-    zero3 = ["parallel.backend=deepspeed", "parallel.strategy=zero3"]
-    one_line_error(cli("validate", TINY, *zero3, "model.liger=loss"), "model.liger: loss, but DeepSpeed's zero3")
-    check_combination(load_config(TINY, ["parallel.backend=deepspeed", "parallel.strategy=zero2", "model.liger=loss"]))
-    check_combination(load_config(TINY, [*zero3, "model.liger=auto"]))
+    for strategy in ("ddp", "zero2", "zero3"):
+        check_combination(load_config(TINY, ["parallel.backend=deepspeed", f"parallel.strategy={strategy}",
+                                             "model.liger=loss"]))
+    one_line_error(cli("validate", TINY, "parallel.backend=deepspeed", "parallel.strategy=zero3", "model.liger=loss"),
+                   "model.liger: loss needs CUDA GPUs")
 
 
 def test_lora_on_the_head_keeps_the_plain_loss(cli):

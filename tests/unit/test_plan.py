@@ -111,10 +111,11 @@ def test_the_fused_loss_replaces_the_logits(one_b: ModelShape) -> None:
     assert logits_bytes(one_b, s) == fused_loss_bytes(one_b, s)
     drop = gpu_memory(one_b, replace(s, fused_loss=False)).allocated - gpu_memory(one_b, s).allocated
     assert drop / 2**30 == pytest.approx(10.2, rel=0.10)
-    # DeepSpeed's ZeRO-3 keeps the plain loss (its stages 0-2 take the fused one); a frozen LM head (LoRA) has no
-    # gradient to keep.
-    assert logits_bytes(one_b, replace(s, backend="deepspeed")) == fused_loss_bytes(one_b, s)
-    assert logits_bytes(one_b, replace(s, backend="deepspeed", strategy="zero3")) == (2 * 2 + 8) * 128256 * 8192
+    # DeepSpeed takes the fused loss on every stage (ZeRO-3 gathers the head for it); a frozen LM head (LoRA) has
+    # no gradient to keep.
+    for strategy in ("zero2", "zero3"):
+        assert logits_bytes(one_b, replace(s, backend="deepspeed", strategy=strategy)) == fused_loss_bytes(one_b, s)
+    assert logits_bytes(one_b, replace(s, fused_loss=False)) == (2 * 2 + 8) * 128256 * 8192
     assert fused_loss_bytes(one_b, replace(s, peft="lora")) == 256 * 128256 * 2 + held
     # model.liger_chunk: 1,024-token chunks hold four times the logits of Liger's own 256 (with the bf16 sum, the
     # default, a chunk's logits are alive beside it).
@@ -322,7 +323,8 @@ def test_the_plan_line_says_what_liger_puts_in() -> None:
 
     assert describe(Setting(fused_loss=True, liger_kernels=True)).endswith(", liger kernels + fused loss")
     assert describe(Setting(fused_loss=True)).endswith(", liger fused loss")
-    assert describe(Setting(backend="deepspeed", fused_loss=True, liger_kernels=True)).endswith(", liger kernels")
+    assert describe(Setting(backend="deepspeed", fused_loss=True, liger_kernels=True)).endswith(
+        ", liger kernels + fused loss")  # ZeRO-3 too
     assert "liger" not in describe(Setting())
 
 
@@ -356,7 +358,7 @@ def test_the_default_plan_takes_ligers_fused_loss_where_it_is_installed(monkeypa
     assert cfg.model.liger == "auto"
     plan = make_plan(cfg, load_hf_config(cfg.model), GPUS["h200"], world=1, per_node=1)
     setting, memory = plan.configured.setting, plan.configured.memory
-    assert setting.fused_loss_runs is installed and setting.liger_kernels is False  # compiled: the loss only
+    assert setting.fused_loss is installed and setting.liger_kernels is False  # compiled: the loss only
     logits = 4 * 2048 * 128256 * 2  # the micro-batch's bf16 logits
     assert (memory.terms.get("logits", 0.0) >= logits) is not installed
 
@@ -884,12 +886,12 @@ def test_the_plan_prices_compile_and_liger_where_the_run_goes_without(monkeypatc
     assert ("liger" in said) is not installed and ("liger" in plan.to_json()["alternatives"]) is not installed
     if not installed:
         liger = plan.alternatives["liger"]
-        assert liger.setting.fused_loss_runs and liger.memory.terms.get("logits", 0.0) == 0.0
+        assert liger.setting.fused_loss and liger.memory.terms.get("logits", 0.0) == 0.0
         assert "pip install liger-kernel" in said["liger"] and "the logits are never made" in said["liger"]
         assert "takes Liger's kernels and fused loss" in said["liger"]  # uncompiled: both
         assert "liger" in lines("parallel.backend=deepspeed")[0].alternatives  # compiled: the fused loss
         ds_zero3 = lines("parallel.backend=deepspeed", "parallel.strategy=zero3", "parallel.compile=false")[0]
-        assert not ds_zero3.alternatives["liger"].setting.fused_loss_runs  # uncompiled: the kernels, the plain loss
+        assert ds_zero3.alternatives["liger"].setting.fused_loss  # uncompiled: the kernels and the fused loss
         head = lines("parallel.compile=false", "peft.method=lora", "peft.target_modules=[q_proj,lm_head]")[1]
         assert "takes Liger's kernels:" in head["liger"] and "logits" not in head["liger"]  # the loss stays plain
         assert "liger" not in lines("peft.method=lora", "peft.target_modules=[q_proj,lm_head]")[1]  # compiled

@@ -17,13 +17,11 @@ tensor there, not a DTensor) and its backward hook reduce-scatters the gradient 
 LM head is the embedding, gathered the same way. Without `labels` (evaluation) the original forward runs and
 returns logits.
 
-Measured on CPU only (no Triton there): the key, the refusals, and that the fused-loss forward gives the
-plain path's loss and gradients with a reference loss of the same contract, also under FSDP2. Not yet measured
-on a GPU: Liger's kernels inside shardtune (speed, memory, loss parity against the plain path), with
-torch.compile'd blocks, with packing (position_ids go through Liger's RoPE unchanged), and with PEFT.
-The DeepSpeed backend gets the kernels but keeps the plain loss (ZeRO-3 gathers the LM head only when the
-module itself is called). When Liger applies (model types, refusals, the choice) is in models/liger_rules.py,
-which imports no torch.
+On CPU (no Triton there) a reference loss of the same contract (reference_fused_loss) stands in for Liger's
+kernel: the fused-loss forward gives the plain path's loss and gradients under FSDP2 and DeepSpeed stages 0-3; on
+GPUs, tests/gpu and bench/RESULTS.md. Under DeepSpeed's ZeRO-3 the LM head's weight is an external parameter of
+the loss's module (FusedLossHead), gathered for the loss and for its backward. When Liger applies (model types,
+refusals, the choice) is in models/liger_rules.py, which imports no torch.
 """
 
 from __future__ import annotations
@@ -151,18 +149,42 @@ class FusedLossOutput:
 torch.utils._pytree.register_dataclass(FusedLossOutput)
 
 
+class FusedLossHead(nn.Module):
+    """The fused loss as a module of the model, with no parameter of its own. DeepSpeed's ZeRO-3 gathers a
+    module's weights around its forward and again around its backward; the fused loss reads the LM head's weight
+    without calling the head, so the DeepSpeed backend registers that weight as this module's external parameter
+    (`deepspeed.zero.register_external_parameter`, the API for a weight read outside its owner's forward): gathered
+    for the loss, and again when the loss's gradient reaches the module, so the weight's gradient is accumulated
+    into a whole parameter. Elsewhere it is a plain call."""
+
+    def __init__(self, causal_lm: nn.Module, loss_fn: Any) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self._owner = [causal_lm]  # a reference, not a submodule: the head stays the model's in the state dict
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The LM head's weight, read at each call (a tied head is the embedding's)."""
+        return self._owner[0].lm_head.weight
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.weight, hidden, targets)
+
+
 def install_fused_loss(causal_lm: nn.Module, loss_fn: Any) -> None:
     """Give `causal_lm` a forward that, called with `labels`, returns FusedLossOutput(loss=sum of next-token
     losses) from `loss_fn(lm_head_weight, hidden [N, H], shifted_targets [N])`, never the logits; without
-    labels it is the original forward. The labels are shifted, not the hidden states, so no copy of them."""
+    labels it is the original forward. The labels are shifted, not the hidden states, so no copy of them. The
+    loss runs in the submodule `fused_loss_head` (FusedLossHead)."""
     original = causal_lm.forward
+    causal_lm.fused_loss_head = FusedLossHead(causal_lm, loss_fn)
 
     def forward(self: nn.Module, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
         if labels is None:
             return original(*args, **kwargs)
         hidden = self.model(*args, **kwargs).last_hidden_state
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(hidden.device)
-        loss = loss_fn(self.lm_head.weight, hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1))
+        loss = self.fused_loss_head(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1))
         return FusedLossOutput(loss=loss.float())
 
     causal_lm.forward = MethodType(forward, causal_lm)

@@ -43,12 +43,15 @@ class Backend(Protocol):
     forward:          logits for evaluation (no grad).
     full_tensor:      collective: a parameter's whole tensor, however the backend shards it (for export).
     module:           the unwrapped model (for export).
+    fused_loss:       whether the model's forward computes the summed loss itself when given labels (Liger's fused
+                      linear + cross-entropy, models/liger.install_fused_loss; set by the loop before setup).
     Its checkpoint format (BackendSpec.checkpoint_format) drives it: DCP saves `state_dict()`, DeepSpeed's
     format calls the engine's `save_native(dir, tag)` / `load_native(dir, tag)`.
     """
 
     module: nn.Module
     optimizer: torch.optim.Optimizer
+    fused_loss: bool
 
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
               make_optimizer: OptimizerFactory) -> None: ...

@@ -93,11 +93,6 @@ def check(cfg: Config, world: int | None = None, device: str | None = None, *, c
         raise ShardtuneError(f"train.skip_nonfinite: false, but DeepSpeed's ZeRO optimizer (parallel.strategy="
                              f"{p.strategy}) always skips a step whose gradients are not finite; remove the setting "
                              "(the default skips and counts such steps), or use parallel.backend=fsdp2")
-    if p.strategy == "zero3" and cfg.model.liger == "loss":
-        raise ShardtuneError("model.liger: loss, but DeepSpeed's zero3 partitions the LM head, which Liger's fused "
-                             "loss reads without calling it (DeepSpeed gathers a weight at its module's call); set "
-                             "parallel.strategy=zero2, parallel.backend=fsdp2, or model.liger=auto (the loss then "
-                             "stays plain)")
     if p.strategy == "zero3" and p.compile:
         raise ShardtuneError("parallel.compile: torch.compile is not supported with DeepSpeed zero3 here (its "
                              "parameter gather hooks break the compiled blocks); set parallel.compile=false, or use "

@@ -47,12 +47,9 @@ class DeepSpeedBackend:
         self.attn_implementation = "sdpa"
         self.skip_nonfinite = True  # the loop sets train.skip_nonfinite (validate refuses false above stage 0)
         self._skipped_here = False  # the last step()'s update was skipped by this backend (stage 0)
-        if self.stage < 3:
-            # The model's forward computes the summed loss itself when given labels (models/liger.py's fused linear
-            # + cross-entropy, set by the loop where model.liger takes it). Not under ZeRO-3: the fused loss reads
-            # the partitioned LM head without calling it, and DeepSpeed gathers a module's weights at its call
-            # (plan/backends.py DeepSpeedRules.computes_fused_loss).
-            self.fused_loss = False
+        # The model's forward computes the summed loss itself when given labels (models/liger.py's fused linear +
+        # cross-entropy, set by the loop where model.liger takes it; under ZeRO-3 see _gather_head_for_the_loss).
+        self.fused_loss = False
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, blocks: list[nn.Module], weights: WeightSource | None,
@@ -64,6 +61,7 @@ class DeepSpeedBackend:
         checkpoint_and_compile(model, blocks, self.parallel, self.ctx.device.type)  # compile: zero0-2 (validate)
         if self.stage == 3:
             self._materialise_partitioned(model, blocks, weights)
+            self._gather_head_for_the_loss(model)
         else:
             load_weights(model, weights, self.ctx.device)
         self.module = model
@@ -98,6 +96,19 @@ class DeepSpeedBackend:
         deepspeed.zero.Init(module=model, config_dict_or_path=self.ds_config)  # skips what is partitioned
         assert_no_meta(model)
 
+    @staticmethod
+    def _gather_head_for_the_loss(model: nn.Module) -> None:
+        """ZeRO-3 with the fused loss: the LM head's weight becomes an external parameter of the module that reads
+        it (models/liger.py FusedLossHead), so DeepSpeed gathers it for the loss in forward and again in backward,
+        where its gradient is accumulated (a partitioned parameter would take a whole gradient: a size mismatch)."""
+        import deepspeed
+
+        from shardtune.models.liger import FusedLossHead
+
+        for module in model.modules():
+            if isinstance(module, FusedLossHead):
+                deepspeed.zero.register_external_parameter(module, module.weight)
+
     @torch.no_grad()
     def _fill(self, module: nn.Module, prefix: str, weights: WeightSource | None, *, recurse: bool = True,
               skip: set[int] | None = None) -> None:
@@ -124,8 +135,8 @@ class DeepSpeedBackend:
 
     def forward_backward(self, batch: Batch, normalizer: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         self.engine.set_gradient_accumulation_boundary(sync_grads)
-        fused = getattr(self, "fused_loss", False)
-        loss = (self._fused_loss(batch) if fused else self.loss(self.forward(batch), batch.labels)) / normalizer
+        loss = self._fused_loss(batch) if self.fused_loss else self.loss(self.forward(batch), batch.labels)
+        loss = loss / normalizer
         # The engine averages gradients over ranks; the loss is already normalised by the step's
         # global token count (and is not divided by the accumulation steps: scale_wrt_gas=False).
         self.engine.backward(loss * self.ctx.world, scale_wrt_gas=False)

@@ -111,8 +111,8 @@ def describe(s: Setting) -> str:
     if s.one_gpu_direct:
         parts.append("without FSDP2 (one_gpu direct)" + (", the compiled update" if s.compiled_update_runs else ""))
     parts.append(f"micro-batch {s.micro_batch_size}")
-    if s.liger_kernels or s.fused_loss_runs:
-        parts.append("liger " + " + ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss_runs))
+    if s.liger_kernels or s.fused_loss:
+        parts.append("liger " + " + ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss))
     return ", ".join(parts)
 
 
@@ -317,8 +317,7 @@ def alternatives(cfg: Any, hf_config: Any, plan: Plan) -> dict[str, Candidate]:
             out["compile"] = compiled
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
     if not liger_installed() and auto_would_take(cfg.model.liger, "cuda", getattr(hf_config, "model_type", ""),
-                                                 compiled=s.compile, adapted_head=adapted_head,
-                                                 computes_fused_loss=s.rules.computes_fused_loss(s)):
+                                                 compiled=s.compile, adapted_head=adapted_head):
         out["liger"] = s.replace(fused_loss=not adapted_head, liger_kernels=liger_kernels_wanted("auto", s.compile))
     return {name: price(plan.shape, alt, plan.hardware, plan.result.capacity, plan.result.host_capacity)
             for name, alt in out.items()}
@@ -338,8 +337,7 @@ def snapshot_breaks_recompute(memory_snapshot: list[int] | None, activation_chec
 
 def liger_applies(cfg: Any, hf_config: Any, hardware: Any) -> bool:
     """Whether model.liger applies to the run on `hardware` (a GPU; the loop decides the same with
-    models.liger_rules.use_liger on the machine it runs on): auto counts only where liger-kernel is installed here.
-    The DeepSpeed backend keeps the plain loss whatever this says (memory.logits_bytes)."""
+    models.liger_rules.use_liger on the machine it runs on): auto counts only where liger-kernel is installed here."""
     from shardtune.models.liger_rules import LIGER_MODEL_TYPES, liger_installed
 
     setting = cfg.model.liger
@@ -393,7 +391,7 @@ def logits_hint(plan: Plan) -> str:
 
     leanest = min(plan.result.candidates or [plan.configured], key=lambda c: c.memory.total)
     logits = leanest.memory.terms.get("logits", 0.0)
-    if leanest.setting.fused_loss_runs or plan.shape.model_type not in LIGER_MODEL_TYPES or \
+    if leanest.setting.fused_loss or plan.shape.model_type not in LIGER_MODEL_TYPES or \
             logits < 0.2 * leanest.memory.allocated:
         return ""
     return (f", model.liger=loss (Liger's fused loss never makes the {logits / GIB:.0f} GiB of logits; "

@@ -40,10 +40,6 @@ class Fsdp2Rules:
     keeps_deepspeed_section = False
     has_one_gpu_direct = True  # parallel.one_gpu: direct (zero2 / zero3 on one process without FSDP2)
 
-    def computes_fused_loss(self, s: Setting) -> bool:
-        """Liger's fused linear + cross-entropy runs inside the root's forward (FSDP2 gathers the LM head there)."""
-        return True
-
     def param_shards(self, s: Setting) -> int:
         """Processes that share one copy of the parameters (1: each holds them whole)."""
         if s.strategy in ("zero2", "zero3"):
@@ -98,7 +94,7 @@ class Fsdp2Rules:
             # third session). zero2 keeps each block's gathered frozen base from its forward to its backward: 8B
             # LoRA zero2 measured 13.1 GiB above this count without it (micro-batch 2; the blocks' bf16 base is
             # 13.0 GiB, bench/RESULTS.md 2026-12-04). NF4 blocks are not gathered (FSDP2 ignores them).
-            root = float(m.root_params * p) if s.fused_loss_runs else 0.0
+            root = float(m.root_params * p) if s.fused_loss else 0.0
             if s.strategy == "zero2" and s.peft != "qlora":
                 return root + (m.params - m.root_params) * p
             return root
@@ -170,11 +166,6 @@ class DeepSpeedRules:
     name = "deepspeed"
     keeps_deepspeed_section = True
     has_one_gpu_direct = False
-
-    def computes_fused_loss(self, s: Setting) -> bool:
-        """Liger's fused loss below stage 3. ZeRO-3 partitions the LM head, which the fused loss reads without
-        calling it, and DeepSpeed gathers a module's weights when it is called (the plain loss stays there)."""
-        return s.strategy != "zero3"
 
     def param_shards(self, s: Setting) -> int:
         return s.world if s.strategy == "zero3" else 1

@@ -340,7 +340,7 @@ def logits_bytes(m: ModelShape, s: Setting) -> float:
     """The LM head's output and the cross-entropy's buffers at the end of forward: (2p + 8) x V bytes per
     token (compute-dtype logits and their shifted copy, the fp32 upcast, log-softmax's fp32 output); with
     Liger's fused loss, its working set instead (fused_loss_bytes)."""
-    if s.fused_loss_runs:
+    if s.fused_loss:
         return fused_loss_bytes(m, s)
     return LOGITS_FACTOR * (2 * s.compute_bytes + 8) * m.vocab * s.tokens
 
@@ -470,7 +470,7 @@ def gpu_memory(m: ModelShape, s: Setting) -> Memory:
     phases = {
         "forward end": {**base, "gathered_parameters": gathered, "activations": saved + norm, "logits": logits,
                         "buffers": buffers},
-        "backward start": {**_less_parameters(first, lent if s.fused_loss_runs else 0.0), "gathered_parameters":
+        "backward start": {**_less_parameters(first, lent if s.fused_loss else 0.0), "gathered_parameters":
                            gathered, "activations": start_saved + start_recompute + returned,
                            "backward_transient": start_transient, "buffers": buffers},
         "backward end": {**_less_parameters(in_backward, lent), "gathered_parameters": gathered,

@@ -102,11 +102,11 @@ def liger_hint(plan: Plan) -> str:
     c, s = plan.chosen(), alt.setting
     gain = alt.time.tokens_per_sec_per_gpu / c.time.tokens_per_sec_per_gpu - 1
     less = c.memory.total - alt.memory.total
-    takes = " and ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss_runs)
+    takes = " and ".join(["kernels"] * s.liger_kernels + ["fused loss"] * s.fused_loss)
     return (f"liger-kernel is not installed here; with it model.liger: auto takes Liger's {takes}: "
             f"{alt.time.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU predicted ({gain:+.0%}), "
             f"{alt.memory.total / GIB:.1f} GiB" + ("" if alt.usable else " (does NOT fit)")
-            + (f" ({less / GIB:.1f} less: the logits are never made)" if s.fused_loss_runs and less > 0 else "")
+            + (f" ({less / GIB:.1f} less: the logits are never made)" if s.fused_loss and less > 0 else "")
             + "; pip install liger-kernel (or -e '.[liger]') where the run starts")
 
 

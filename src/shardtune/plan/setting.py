@@ -59,7 +59,7 @@ class Setting:
     attn: str = "sdpa"
     packing: bool = False
     async_checkpoint: bool = False
-    fused_loss: bool = False  # model.liger puts Liger's fused linear + cross-entropy in (not DeepSpeed's ZeRO-3)
+    fused_loss: bool = False  # model.liger puts Liger's fused linear + cross-entropy in (every backend)
     liger_kernels: bool = False  # model.liger swaps Liger's RMSNorm, RoPE and SwiGLU into the blocks
     liger_chunk: int = 0  # model.liger_chunk: tokens per chunk of the fused loss (0 = Liger's own choice)
     liger_accum: str = "weight"  # model.liger_accum: what the fused loss sums the LM head's gradient in
@@ -229,11 +229,6 @@ class Setting:
     def optim_shards(self) -> int:
         """Processes that share one copy of the optimizer states and fp32 masters."""
         return self.rules.optim_shards(self)
-
-    @property
-    def fused_loss_runs(self) -> bool:
-        """Liger's fused loss is asked for and this backend computes it (DeepSpeed's ZeRO-3 keeps the plain loss)."""
-        return self.fused_loss and self.rules.computes_fused_loss(self)
 
     def replace(self, **changes: Any) -> Setting:
         return dataclasses.replace(self, **changes)

@@ -189,9 +189,8 @@ def kernel_efficiency(m: ModelShape, s: Setting) -> float:
 
 
 def liger_efficiency(s: Setting) -> float:
-    """Liger's effect on the block and loss kernels (LIGER_EFF); 1 without it. DeepSpeed's ZeRO-3 keeps the plain
-    loss."""
-    if not (s.liger_kernels or s.fused_loss_runs):
+    """Liger's effect on the block and loss kernels (LIGER_EFF); 1 without it."""
+    if not (s.liger_kernels or s.fused_loss):
         return 1.0
     if s.peft != "none":
         return LIGER_EFF["peft_compiled_loss" if s.compile and not s.liger_kernels else "peft"]
@@ -209,7 +208,7 @@ def fused_chunk_seconds(m: ModelShape, s: Setting, hw: Any) -> float:
     bandwidth it was fitted at (LIGER_FIT_HBM), this run's priced at the device's: on an H100 the 1B's 32 fp32
     passes cost 11 ms a step more than on the H200 (its rows had run 5-8% under the price). Nothing when the head
     is frozen (LoRA / QLoRA: no gradient to accumulate) or the loss is plain."""
-    if not s.fused_loss_runs or s.peft != "none":
+    if not s.fused_loss or s.peft != "none":
         return 0.0
     from shardtune.models.liger_rules import fused_loss_chunk
 

@@ -245,7 +245,6 @@ def set_up(cfg: Config, ctx: DistContext) -> Run:
     if liger:
         _liger_loss(cfg, ctx, built, backend, kernels)
     elif auto_would_take(cfg.model.liger, ctx.device.type, hf_config.model_type, compiled=cfg.parallel.compile,
-                         computes_fused_loss=hasattr(backend, "fused_loss"),
                          adapted_head=head_adapted(cfg.peft.method, cfg.peft.target_modules)):
         log_rank0(ctx.rank, "liger: liger-kernel is not installed; pip install liger-kernel (or -e '.[liger]' in the "
                             "checkout) and model.liger: auto takes its fused loss or kernels (`shardtune plan` prices "
@@ -307,13 +306,14 @@ def _load_kept(built: BuiltModel, weights: Any, ctx: DistContext) -> None:
 
 
 def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backend, kernels: bool) -> None:
-    """model.liger (its kernels went in with the model: assemble): Liger's fused linear + cross-entropy as the loss
-    where the backend computes it in the model's forward (FSDP2, DDP), and the line that says what applies."""
+    """model.liger (its kernels went in with the model: assemble): Liger's fused linear + cross-entropy as the loss,
+    computed in the model's forward on every backend, unless LoRA adapts the LM head; and the line that says what
+    applies."""
     from shardtune.models.liger import install_fused_loss, liger_loss
     from shardtune.models.liger_rules import chunk_tokens
 
     adapted_head = head_adapted(cfg.peft.method, cfg.peft.target_modules)
-    fused = hasattr(backend, "fused_loss") and not adapted_head
+    fused = not adapted_head
     if fused:
         install_fused_loss(built.base, liger_loss(chunk_tokens(cfg.model.liger_chunk), cfg.model.liger_accum))
         backend.fused_loss = True
@@ -321,8 +321,7 @@ def _liger_loss(cfg: Config, ctx: DistContext, built: BuiltModel, backend: Backe
     parts = (["RMSNorm, RoPE, SwiGLU kernels"] if kernels else []) + (
         ["fused linear + cross-entropy loss" + (" (the head's gradient summed in fp32)" if head_in_fp32 else "")]
         if fused else
-        ["the loss stays plain (LoRA on lm_head)" if adapted_head else
-         "the loss stays plain on this backend (DeepSpeed's ZeRO-3 partitions the LM head the fused loss reads)"])
+        ["the loss stays plain (LoRA on lm_head)"])
     log_rank0(ctx.rank, "liger: " + ", ".join(parts))
 
 
