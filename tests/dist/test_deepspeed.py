@@ -35,11 +35,13 @@ pytest.importorskip("deepspeed")
 NVME = async_io_available() and (op_built("async_io") or os.environ.get("SHARDTUNE_TEST_OP_BUILDS") == "1")
 NO_LIBAIO = NVME_SKIP if async_io_available() else "libaio is not installed here (.ci/run installs it)"
 # zero3:ds:ac:cb1: full checkpointing of the first block only (parallel.checkpoint_blocks, which strategy auto may
-# now pick for DeepSpeed candidates too). zero3:ds:ac:tile: the MLPs in tiles (parallel.tiled_mlp) under ZeRO-3's
-# per-module weight fetches and its gradient hooks (each weight's gradient reaches them once, summed over the tiles).
+# now pick for DeepSpeed candidates too). zero3:ds:ac:tile:nopersist: the MLPs in tiles (parallel.tiled_mlp) under
+# ZeRO-3's weight fetches (every weight partitioned and released: nopersist, beside zero3:ds:ac:nopersist) and its
+# gradient hooks (each weight's gradient reaches them once, summed over the tiles).
 # zero3:ds:ac:actoff: the checkpoint's block inputs in host memory (parallel.activation_offload's hooks).
-DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero3:ds:ac:cb1", "zero3:ds:ac:tile",
-           "zero3:ds:ac:actoff", "zero2:ds:offload", "zero3:ds:offparams", "zero3:ds:nvme"]
+DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero3:ds:ac:cb1", "zero3:ds:ac:nopersist",
+           "zero3:ds:ac:tile:nopersist", "zero3:ds:ac:actoff", "zero2:ds:offload", "zero3:ds:offparams",
+           "zero3:ds:nvme"]
 LONG_LORA = "zero2:ds:lora:ac:tile:actoff"  # the long-sequence settings together, under ZeRO-2's gradient buckets
 FUSED = "zero2:ds:fused"  # model.liger: loss (its plain-torch contract standing in for Liger's kernel)
 # Under ZeRO-3 with every weight partitioned and released (nopersist): the tied head (the 1B shape's kind), and an
@@ -238,6 +240,11 @@ def test_deepspeed_collectives_are_counted(results):
     # Parameters under stage3_param_persistence_threshold stay whole on every rank: gathered less than the
     # planner's every-parameter-twice-per-micro-batch.
     assert 0 < z3["bus_bytes_per_step"]["all_gather"] <= z3["predicted_bus_bytes_per_step"]["all_gather"]
+    # The MLPs in tiles: each MLP is one ZeRO-3 leaf, gathered once for all its tiles (each projection's own hooks
+    # had gathered it again for every tile: 28% more bytes here). Every weight released after use (nopersist).
+    untiled, tiled = (two[v]["comm"]["bus_bytes_per_step"]["all_gather"]
+                      for v in ("zero3:ds:ac:nopersist", "zero3:ds:ac:tile:nopersist"))
+    assert 0 < tiled <= untiled
 
 
 def test_deepspeed_runs_prove_their_features(results):

@@ -62,6 +62,8 @@ class DeepSpeedBackend:
         if self.stage == 3:
             self._materialise_partitioned(model, blocks, weights)
             self._gather_head_for_the_loss(model)
+            if self.parallel.tiled_mlp is not None:
+                self._gather_each_mlp_once(blocks)
         else:
             load_weights(model, weights, self.ctx.device)
         self.module = model
@@ -108,6 +110,17 @@ class DeepSpeedBackend:
         for module in model.modules():
             if isinstance(module, FusedLossHead):
                 deepspeed.zero.register_external_parameter(module, module.weight)
+
+    @staticmethod
+    def _gather_each_mlp_once(blocks: list[nn.Module]) -> None:
+        """ZeRO-3 with the MLPs in tiles: each MLP becomes a leaf for ZeRO-3 (`deepspeed.utils.set_z3_leaf_module`),
+        so its weights are gathered once for all its tiles, at the MLP's call and at its backward, as untiled.
+        Otherwise each projection's own hooks gather it again for every tile (micro-llama, 3 tiles: 28% more
+        all-gathered bytes a step)."""
+        from deepspeed.utils import set_z3_leaf_module
+
+        for block in blocks:
+            set_z3_leaf_module(block.mlp, True)
 
     @torch.no_grad()
     def _fill(self, module: nn.Module, prefix: str, weights: WeightSource | None, *, recurse: bool = True,
