@@ -44,9 +44,10 @@ DS_FP32 = ["ddp:ds", "zero1:ds", "zero2:ds", "zero3:ds", "zero3:ds:ac", "zero3:d
            "zero3:ds:nvme"]
 LONG_LORA = "zero2:ds:lora:ac:tile:actoff"  # the long-sequence settings together, under ZeRO-2's gradient buckets
 FUSED = "zero2:ds:fused"  # model.liger: loss (its plain-torch contract standing in for Liger's kernel)
-# Under ZeRO-3 with every weight partitioned and released (nopersist): the tied head (the 1B shape's kind), and an
-# LM head of its own (the 8B shapes'), against the plain loss of the same model and engine.
-FUSED_ZERO3 = ["zero3:ds:fused:nopersist", "zero3:ds:untied:nopersist", "zero3:ds:untied:fused:nopersist"]
+# Under ZeRO-3 with every weight partitioned and released (nopersist): the tied head (the 1B shape's kind), an LM
+# head of its own (the 8B shapes'), against the plain loss of the same model and engine, and LoRA (a frozen head).
+FUSED_ZERO3 = ["zero3:ds:fused:nopersist", "zero3:ds:untied:nopersist", "zero3:ds:untied:fused:nopersist",
+               "zero3:ds:lora:fused:nopersist"]
 RUNNABLE = [v for v in DS_FP32 if NVME or v != "zero3:ds:nvme"]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
@@ -154,9 +155,11 @@ def test_the_fused_loss_with_the_plain_losses_and_gradients(results):
     assert_same_gradients(ref["ddp"], two[FUSED])
     assert_same_gradients(ref["ddp"], two["zero3:ds:fused:nopersist"])
     assert_same_gradients(two["zero3:ds:untied:nopersist"], two["zero3:ds:untied:fused:nopersist"])
+    assert_same_gradients(ref["ddp:lora"], two["zero3:ds:lora:fused:nopersist"])
     micro = PRESETS["micro-llama"]
     head = micro["vocab_size"] * micro["hidden_size"]  # the whole head in every call, never a partition
-    for variant in (FUSED, "zero3:ds:fused:nopersist", "zero3:ds:untied:fused:nopersist"):
+    for variant in (FUSED, "zero3:ds:fused:nopersist", "zero3:ds:untied:fused:nopersist",
+                    "zero3:ds:lora:fused:nopersist"):
         calls = two[variant]["fused_calls"]
         assert {tuple(call) for call in calls} == {("Parameter", head)}, variant  # every micro-batch
         assert len(calls) >= 6 * 2  # steps x accumulation

@@ -65,8 +65,8 @@ def auto_would_take(setting: LigerSetting, device_type: str, model_type: str, *,
                     adapted_head: bool) -> bool:
     """Whether model.liger: auto takes anything of Liger's on this run once liger-kernel is installed: its kernels
     (without parallel.compile: liger_kernels_wanted) or its fused loss (where the LM head has no adapter:
-    head_adapted). The run's start line and `shardtune plan` ask
-    it where liger-kernel is missing, so both say "install it" for the same runs."""
+    head_adapted). The run's start line and `shardtune plan` ask it where liger-kernel is missing, so both say
+    "install it" for the same runs."""
     if setting != "auto" or device_type != "cuda" or model_type not in LIGER_MODEL_TYPES:
         return False
     return liger_kernels_wanted(setting, compiled) or not adapted_head
