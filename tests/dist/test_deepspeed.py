@@ -248,6 +248,11 @@ def test_deepspeed_collectives_are_counted(results):
     untiled, tiled = (two[v]["comm"]["bus_bytes_per_step"]["all_gather"]
                       for v in ("zero3:ds:ac:nopersist", "zero3:ds:ac:tile:nopersist"))
     assert 0 < tiled <= untiled
+    # With every weight released, the planner's count (each parameter gathered twice per micro-batch: forward and
+    # backward) is within 10%, full checkpointing's recompute adding no third gather: measured 7.8% and 4.7% above
+    # it (where the excess goes is not yet attributed).
+    predicted = two["zero3:ds:ac:nopersist"]["comm"]["predicted_bus_bytes_per_step"]["all_gather"]
+    assert predicted <= tiled <= untiled < 1.10 * predicted
 
 
 def test_deepspeed_runs_prove_their_features(results):
