@@ -146,7 +146,7 @@ def test_the_long_sequence_settings_keep_the_gradients_and_move_the_block_inputs
     assert two["zero3:ds:ac:actoff"]["offloaded_bytes"] == fsdp2_runs[1]["zero3:ac:actoff"]["offloaded_bytes"] > 0
 
 
-def test_the_fused_loss_with_the_plain_losses_and_gradients(results):
+def test_the_fused_loss_gives_the_plain_losses_and_gradients(results):
     # Liger's fused linear + cross-entropy inside the model's forward (models/liger.py), as under FSDP2. Under ZeRO-2
     # the LM head (tied to the embedding here) is whole. ZeRO-3 partitions it, and the fused loss reads it without
     # calling it: the head's weight is an external parameter of the loss's module, gathered for the loss and again
@@ -252,7 +252,8 @@ def test_deepspeed_collectives_are_counted(results):
     # backward) is within 10%, full checkpointing's recompute adding no third gather: measured 7.8% and 4.7% above
     # it (where the excess goes is not yet attributed).
     predicted = two["zero3:ds:ac:nopersist"]["comm"]["predicted_bus_bytes_per_step"]["all_gather"]
-    assert predicted <= tiled <= untiled < 1.10 * predicted
+    for measured in (tiled, untiled):
+        assert abs(measured / predicted - 1) < 0.10
 
 
 def test_deepspeed_runs_prove_their_features(results):
