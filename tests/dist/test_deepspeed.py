@@ -243,17 +243,17 @@ def test_deepspeed_collectives_are_counted(results):
     # Parameters under stage3_param_persistence_threshold stay whole on every rank: gathered less than the
     # planner's every-parameter-twice-per-micro-batch.
     assert 0 < z3["bus_bytes_per_step"]["all_gather"] <= z3["predicted_bus_bytes_per_step"]["all_gather"]
-    # The MLPs in tiles: each MLP is one ZeRO-3 leaf, gathered once for all its tiles (each projection's own hooks
-    # had gathered it again for every tile: 28% more bytes here). Every weight released after use (nopersist).
-    untiled, tiled = (two[v]["comm"]["bus_bytes_per_step"]["all_gather"]
-                      for v in ("zero3:ds:ac:nopersist", "zero3:ds:ac:tile:nopersist"))
-    assert 0 < tiled <= untiled
-    # With every weight released, the planner's count (each parameter gathered twice per micro-batch: forward and
-    # backward) is within 10%, full checkpointing's recompute adding no third gather: measured 7.8% and 4.7% above
-    # it (where the excess goes is not yet attributed).
+    # With every weight released (nopersist), from the second step on each parameter is gathered exactly twice per
+    # micro-batch (forward, and the recompute that full checkpointing runs before the backward): the planner's count
+    # to the byte, read off metrics.jsonl's last step; the MLPs in tiles too. The first step gathers more (the run's
+    # average is 4.7-7.8% above): while DeepSpeed records its trace of the module order it releases each block's
+    # weights after the recompute and gathers them a third time for the backward, and without the MLPs as ZeRO-3
+    # leaves (`_gather_each_mlp_once`) it gathers each projection again for every tile (the run's average 37% above).
+    # Counted per parameter with DeepSpeed's coordinator patched, 2026-12-07.
     predicted = two["zero3:ds:ac:nopersist"]["comm"]["predicted_bus_bytes_per_step"]["all_gather"]
-    for measured in (tiled, untiled):
-        assert abs(measured / predicted - 1) < 0.10
+    for variant in ("zero3:ds:ac:nopersist", "zero3:ds:ac:tile:nopersist"):
+        assert two[variant]["logged"]["comm_all_gather_bytes"] == predicted, variant
+        assert predicted < two[variant]["comm"]["bus_bytes_per_step"]["all_gather"] < 1.1 * predicted, variant
 
 
 def test_deepspeed_runs_prove_their_features(results):
