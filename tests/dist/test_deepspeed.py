@@ -249,7 +249,7 @@ def test_deepspeed_collectives_are_counted(results):
     # average is 4.7-7.8% above): while DeepSpeed records its trace of the module order it releases each block's
     # weights after the recompute and gathers them a third time for the backward, and without the MLPs as ZeRO-3
     # leaves (`_gather_each_mlp_once`) it gathers each projection again for every tile (the run's average 37% above).
-    # Counted per parameter with DeepSpeed's coordinator patched, 2026-12-07.
+    # Counted per parameter by bench/probe_zero3_gathers.py (bench/RESULTS.md, fiftieth session).
     predicted = two["zero3:ds:ac:nopersist"]["comm"]["predicted_bus_bytes_per_step"]["all_gather"]
     for variant in ("zero3:ds:ac:nopersist", "zero3:ds:ac:tile:nopersist"):
         assert two[variant]["logged"]["comm_all_gather_bytes"] == predicted, variant
