@@ -253,7 +253,7 @@ def test_deepspeed_collectives_are_counted(results):
     predicted = two["zero3:ds:ac:nopersist"]["comm"]["predicted_bus_bytes_per_step"]["all_gather"]
     for variant in ("zero3:ds:ac:nopersist", "zero3:ds:ac:tile:nopersist"):
         assert two[variant]["logged"]["comm_all_gather_bytes"] == predicted, variant
-        assert predicted < two[variant]["comm"]["bus_bytes_per_step"]["all_gather"] < 1.1 * predicted, variant
+        assert predicted <= two[variant]["comm"]["bus_bytes_per_step"]["all_gather"] < 1.1 * predicted, variant
 
 
 def test_deepspeed_runs_prove_their_features(results):
